@@ -1,0 +1,1 @@
+"""Thin typer entry points, one module per command group; logic lives in jetctl/."""

@@ -1,0 +1,68 @@
+"""The contract between jetctl, task environments (envs/) and agent programs (agents/).
+
+An environment makes tasks and opens one session per rollout; the agent drives the
+session and calls the model through the OpenAI-compatible endpoint in `llm`; the node
+asks the session for the reward when the agent returns. Agents may be plain or `async`
+functions. A rollout runs in its own process group, so a timeout kills it whole.
+
+    def make_env(**env_args) -> Env
+    def agent(task: Task, llm: LLM, session: Session) -> None      # or async def
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task instance. `id` is stable (same task -> same id); `data` is env-specific."""
+
+    id: str
+    prompt: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LLM:
+    """Where the agent reaches the model: an OpenAI-compatible endpoint on the client node."""
+
+    base_url: str
+    model: str
+    api_key: str = "jetctl"
+
+    def client(self) -> Any:
+        """An `openai.OpenAI` client bound to this endpoint."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+    def async_client(self) -> Any:
+        """An `openai.AsyncOpenAI` client bound to this endpoint."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+
+class Session(Protocol):
+    """One rollout's view of the environment. Env-specific tools are extra methods."""
+
+    def reward(self) -> float:
+        """Score of the session so far, checked by code (called once the agent returns)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class Env(Protocol):
+    name: str
+
+    def tasks(self, rng: random.Random) -> Iterator[Task]:
+        """An endless stream of tasks drawn with rng."""
+        ...
+
+    def open(self, task: Task) -> Session:
+        ...
