@@ -1,9 +1,44 @@
-"""`jetctl server` (placeholder until its owner fills it in)."""
+"""`jetctl server`: run one swarm server (the controller starts these; you rarely need to)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from jetctl.cli.errors import fail
 
 
 def register(app: typer.Typer) -> None:
-    """Registers nothing yet."""
+    @app.command("server")
+    def server(
+        recipe: Annotated[Path, typer.Option(help="Recipe YAML.")],
+        model: Annotated[str, typer.Option(help="Key under `models:` to serve and train.")],
+        run_dir: Annotated[Path, typer.Option(help="The run directory.")],
+        port: Annotated[int, typer.Option(help="gRPC port (0: any free port).")] = 0,
+        metrics_port: Annotated[int, typer.Option(help="Prometheus port (0: any).")] = 0,
+        no_train: Annotated[bool, typer.Option(help="Serve and store only.")] = False,
+    ) -> None:
+        """Run one swarm server: generation, trajectory store, trainer, checkpoints."""
+        import asyncio
+        import logging
+
+        from jetctl.recipe import load_recipe
+        from jetctl.server.app import ServerOptions, resolve_token, serve
+
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        )
+        try:
+            rec = load_recipe(recipe)
+        except Exception as exc:  # RecipeError or OSError: one red line
+            fail(getattr(exc, "render", lambda: str(exc))())
+        if model not in rec.models:
+            fail(f"model {model!r} is not in {recipe} (models: {', '.join(rec.models)})")
+        opts = ServerOptions(
+            name=model, cfg=rec.models[model], run_dir=run_dir.resolve(),
+            token=resolve_token(run_dir), port=port, metrics_port=metrics_port,
+            train=not no_train,
+        )
+        raise typer.Exit(asyncio.run(serve(opts)))

@@ -1,1 +1,1 @@
-"""algorithms."""
+"""RL losses, one file each (GRPO now; RLOO, REINFORCE later). They share data types, not classes."""

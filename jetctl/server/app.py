@@ -1,0 +1,211 @@
+"""A swarm server process: one trainable model, its engine, store, trainer and gRPC service.
+
+Run: `jetctl server --recipe R --model M --run-dir D --port P` (the controller does this).
+Setup -> serve -> cleanup: load the model (LoRA-wrapped or full), resume from the last
+complete checkpoint, reload accepted-but-untrained groups, serve gRPC (+ health and
+reflection) and Prometheus /metrics, train in a thread. SIGTERM: stop accepting (health
+NOT_SERVING), finish the current step, checkpoint, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jetctl.auth import read_token
+from jetctl.recipe import ModelConfig
+from jetctl.server.admission import Limits
+from jetctl.server.engine import HFEngine
+from jetctl.server.metrics import ServerMetrics
+from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
+from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.trainer import Trainer
+
+log = logging.getLogger("jetctl.server")
+
+
+@dataclass
+class ServerOptions:
+    name: str
+    cfg: ModelConfig
+    run_dir: Path
+    token: str
+    port: int
+    metrics_port: int = 0
+    train: bool = True  # False: serve and store only (benchmarks)
+
+
+def resolve_token(run_dir: Path) -> str:
+    env = os.environ.get("JETCTL_TOKEN")
+    if env:
+        return env
+    path = run_dir / "token"
+    if not path.is_file():
+        raise SystemExit(f"no token: set JETCTL_TOKEN or create {path} (jetctl up does this)")
+    return read_token(path)
+
+
+def load_trainable(cfg: ModelConfig) -> tuple[Any, Any]:
+    """The model (LoRA-wrapped when finetune is lora) and its tokenizer."""
+    import torch
+
+    from jetctl.models import load_model
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    if cfg.finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lc = cfg.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                target_modules=list(lc.target_modules), task_type="CAUSAL_LM",
+            ),
+        )
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    model.eval()  # shared with the engine; Llama has no dropout to lose
+    return model, tokenizer
+
+
+async def serve(opts: ServerOptions) -> int:
+    import torch
+
+    from jetctl.models import tokenizer_files
+
+    cfg = opts.cfg
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    server_dir = opts.run_dir / f"server-{opts.name}"
+    server_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = Path(cfg.checkpoint.dir or opts.run_dir / "checkpoints" / opts.name)
+
+    t0 = time.monotonic()
+    model, tokenizer = load_trainable(cfg)
+    metrics = ServerMetrics()
+    lock = threading.Lock()
+    store = TrajectoryStore(server_dir / "store.sqlite", decode=GroupCodec())
+    trainer = Trainer(
+        model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
+        steps_log=opts.run_dir / "metrics" / f"{opts.name}.steps.jsonl", on_step=metrics.on_step,
+    )
+    version = trainer.resume()
+    buffered = store.open(trained_through_step=version)
+    metrics.model_version.set(version)
+    log.info("model %s loaded in %.1fs at version %d, %d groups buffered",
+             cfg.model, time.monotonic() - t0, version, buffered)
+
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    engine = HFEngine(
+        model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
+        version=lambda: trainer.version, max_batch_size=cfg.generation.max_batch_size,
+        batch_wait_ms=cfg.generation.batch_wait_ms,
+        on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
+    )
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    service = SwarmService(
+        model_name=opts.name,
+        model_source=cfg.model,
+        limits=Limits(
+            model=opts.name, vocab_size=vocab,
+            max_context_tokens=cfg.generation.max_context_tokens,
+            max_staleness=cfg.train.max_staleness,
+        ),
+        max_new_tokens=cfg.generation.max_new_tokens,
+        max_message_bytes=cfg.limits.max_message_bytes,
+        engine=engine, store=store, trainer=trainer, metrics=metrics,
+        tokenizer_files=tokenizer_files(cfg.model),
+        chat_template=tokenizer.chat_template or "",
+        eos_token_ids=eos_ids,
+    )
+
+    limit = cfg.limits.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=[auth_interceptor(opts.token, service.refuse)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
+    )
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{cfg.host}:{opts.port}")
+    if port == 0:
+        raise SystemExit(f"cannot bind {cfg.host}:{opts.port}")
+    await server.start()
+    engine.start()
+
+    from prometheus_client import start_http_server
+
+    httpd, _ = start_http_server(opts.metrics_port, addr=cfg.host, registry=metrics.registry)
+    metrics_port = httpd.server_port
+
+    if opts.train:
+        trainer.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    _write_endpoint(opts, port, metrics_port, trainer.version)
+    log.info("serving %s on %s:%d (metrics :%d)", opts.name, cfg.host, port, metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=2.0)
+        except asyncio.TimeoutError:
+            pass
+        if trainer.error is not None:
+            log.error("trainer failed: %r", trainer.error)
+            break
+        _write_endpoint(opts, port, metrics_port, trainer.version)
+
+    log.info("draining: finishing the current step and checkpointing")
+    await health_servicer.enter_graceful_shutdown()
+    await asyncio.to_thread(trainer.stop)
+    await server.stop(grace=5.0)
+    await engine.stop()
+    store.close()
+    httpd.shutdown()
+    return 1 if trainer.error is not None else 0
+
+
+def _write_endpoint(opts: ServerOptions, port: int, metrics_port: int, version: int) -> None:
+    path = opts.run_dir / "servers" / f"{opts.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "model": opts.name,
+        "endpoint": f"{opts.cfg.host}:{port}",
+        "metrics": f"{opts.cfg.host}:{metrics_port}",
+        "pid": os.getpid(),
+        "version": version,
+    }))
+    os.replace(tmp, path)
+

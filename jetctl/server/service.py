@@ -1,0 +1,292 @@
+"""The Swarm gRPC service: thin handlers, proto in -> logic -> proto out.
+
+Handlers receive raw request bytes and parse them here, so a garbage payload is refused
+with INVALID_ARGUMENT (and counted) instead of an opaque deserialization failure. The
+bearer token is checked by an interceptor (auth.py); message sizes are capped by the
+server options (RESOURCE_EXHAUSTED before anything is buffered whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from jetctl.proto._gen import swarm_pb2 as pb
+from jetctl.proto.convert import group_from_pb
+from jetctl.server.admission import Limits, check_generate, check_group
+from jetctl.server.engine import GenRequest, HFEngine
+from jetctl.server.metrics import ServerMetrics
+from jetctl.server.store import TrajectoryStore
+from jetctl.server.trainer import Trainer
+
+SERVICE = "jetctl.swarm.v1.Swarm"
+CHUNK_BYTES = 1 << 20
+ACK_CODES = {
+    "accepted": pb.Ack.ACCEPTED,
+    "duplicate": pb.Ack.DUPLICATE,
+    "stale": pb.Ack.STALE,
+    "invalid": pb.Ack.INVALID,
+    "revision": pb.Ack.REVISION,
+}
+
+
+class SwarmService:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        model_source: str,
+        limits: Limits,
+        max_new_tokens: int,
+        max_message_bytes: int,
+        engine: HFEngine,
+        store: TrajectoryStore,
+        trainer: Trainer,
+        metrics: ServerMetrics,
+        tokenizer_files: dict[str, bytes],
+        chat_template: str,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model_name = model_name
+        self.model_source = model_source
+        self.limits = limits
+        self.max_new_tokens = max_new_tokens
+        self.max_message_bytes = max_message_bytes
+        self.engine = engine
+        self.store = store
+        self.trainer = trainer
+        self.metrics = metrics
+        self.tokenizer_files = tokenizer_files
+        self.chat_template = chat_template
+        self.eos_token_ids = eos_token_ids
+        self.refused_revisions: frozenset[str] = frozenset()
+        self.started = time.time()
+        self.refused_calls: dict[str, int] = {}
+        self.tokens_generated = 0
+        self._accepted_times: list[tuple[float, int]] = []
+
+    # --- plumbing --------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        ser = lambda m: m.SerializeToString()  # noqa: E731
+        methods = {
+            "Register": grpc.unary_unary_rpc_method_handler(self.register, None, ser),
+            "Generate": grpc.unary_unary_rpc_method_handler(self.generate, None, ser),
+            "Submit": grpc.unary_unary_rpc_method_handler(self.submit, None, ser),
+            "SubmitStream": grpc.stream_stream_rpc_method_handler(self.submit_stream, None, ser),
+            "PullWeights": grpc.unary_stream_rpc_method_handler(self.pull_weights, None, ser),
+            "Status": grpc.unary_unary_rpc_method_handler(self.status, None, ser),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    def refuse(self, reason: str) -> None:
+        self.refused_calls[reason] = self.refused_calls.get(reason, 0) + 1
+        self.metrics.refused_calls.labels(reason=reason).inc()
+
+    async def _parse(self, raw: bytes, cls: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return cls.FromString(raw)
+        except DecodeError as exc:
+            self.refuse("malformed")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
+
+    # --- RPCs ------------------------------------------------------------------------
+
+    async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterReply:
+        req = await self._parse(raw, pb.RegisterRequest, context)
+        if req.model and req.model != self.model_name:
+            self.refuse("unknown_model")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {req.model!r} is not served here (this server serves {self.model_name!r})",
+            )
+        return pb.RegisterReply(
+            model=self.model_name,
+            model_source=self.model_source,
+            model_version=self.trainer.version,
+            max_staleness=self.limits.max_staleness,
+            max_message_bytes=self.max_message_bytes,
+            max_context_tokens=self.limits.max_context_tokens,
+            tokenizer_files=self.tokenizer_files,
+            chat_template=self.chat_template,
+            eos_token_ids=self.eos_token_ids,
+            refused_revisions=sorted(self.refused_revisions),
+        )
+
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
+        req = await self._parse(raw, pb.GenerateRequest, context)
+        prompt = list(req.prompt_ids)
+        reason = check_generate(req.model, prompt, req.max_tokens, self.limits, self.max_new_tokens)
+        if reason:
+            self.refuse("invalid_generate")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        room = self.limits.max_context_tokens - len(prompt)
+        max_tokens = min(req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
+        result = await self.engine.generate(
+            GenRequest(
+                prompt_ids=prompt,
+                max_tokens=max_tokens,
+                temperature=req.temperature if req.HasField("temperature") else 1.0,
+                top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
+                stop_token_ids=tuple(req.stop_token_ids),
+            )
+        )
+        self.tokens_generated += len(result.completion_ids)
+        self.metrics.tokens_generated.inc(len(result.completion_ids))
+        return pb.GenerateReply(
+            completion_ids=result.completion_ids,
+            completion_logprobs=result.completion_logprobs,
+            model_version=result.model_version,
+            finish_reason=result.finish_reason,
+        )
+
+    async def submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.SubmitReply:
+        req = await self._parse(raw, pb.SubmitRequest, context)
+        reply = await self._submit(req)
+        if reply.acks and all(a.code == pb.Ack.INVALID for a in reply.acks):
+            # nothing in the request was usable: refuse the call as a whole
+            self.refuse("invalid_submit")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "; ".join(a.reason for a in reply.acks)[:2000]
+            )
+        return reply
+
+    async def submit_stream(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SubmitReply]:
+        async for raw in requests:
+            req = await self._parse(raw, pb.SubmitRequest, context)
+            yield await self._submit(req)
+
+    async def _submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
+        if not req.groups:
+            return pb.SubmitReply(model_version=self.trainer.version)
+        version = self.trainer.version
+        futures = []
+        acks: list[pb.Ack | None] = []
+        for gm in req.groups:
+            g = group_from_pb(gm)
+            self.metrics.received.labels(task=g.task or "?").inc(len(g.trajectories))
+            verdict = check_group(g, self.limits, version, self.refused_revisions)
+            if verdict.outcome == "invalid":
+                # invalid groups are not stored: they may be garbage of any size
+                self.metrics.rejected.labels(reason="invalid").inc(len(g.trajectories))
+                acks.append(pb.Ack(group_id=gm.id, code=pb.Ack.INVALID, reason=verdict.reason))
+                continue
+            payload = gm.SerializeToString() if verdict.outcome == "accepted" else b""
+            self.metrics.version_lag.observe(max(g.lag(version), 0))
+            futures.append((len(acks), g, self.store.put(g, payload, verdict.outcome, verdict.reason)))  # type: ignore[arg-type]
+            acks.append(None)
+        for index, g, fut in futures:
+            res = await asyncio.wrap_future(fut)
+            if res.outcome != "accepted" and res.outcome != "duplicate":
+                self.metrics.rejected.labels(reason=res.outcome).inc(len(g.trajectories))
+            elif res.outcome == "accepted":
+                self._accepted_times.append((time.monotonic(), len(g.trajectories)))
+            acks[index] = pb.Ack(group_id=g.id, code=ACK_CODES[res.outcome], reason=res.reason)
+        self.metrics.buffer_groups.set(self.store.buffer_depth)
+        return pb.SubmitReply(acks=acks, model_version=self.trainer.version)
+
+    async def pull_weights(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WeightsChunk]:
+        req = await self._parse(raw, pb.PullWeightsRequest, context)
+        if req.have_version == self.trainer.version:
+            return
+        t0 = time.monotonic()
+        payload = await asyncio.to_thread(self.trainer.weights_payload)
+        total = len(payload.data)
+        for offset in range(0, max(total, 1), CHUNK_BYTES):
+            yield pb.WeightsChunk(
+                version=payload.version,
+                format="safetensors",
+                kind=payload.kind,
+                total_bytes=total,
+                offset=offset,
+                data=payload.data[offset : offset + CHUNK_BYTES],
+                sha256=payload.sha256,
+                adapter_config_json=payload.adapter_config_json if offset == 0 else "",
+            )
+        self.metrics.publish_seconds.observe(time.monotonic() - t0)
+
+    async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        await self._parse(raw, pb.StatusRequest, context)
+        counts = await asyncio.to_thread(self.store.counts)
+        by_task = await asyncio.to_thread(self.store.received_by_task)
+        trajs = counts["trajectories"]
+        rejected_total: dict[str, int] = {}
+        for k, v in trajs.items():
+            if k.startswith("rejected:"):
+                reason = k.split(":", 1)[1].split(":", 1)[0]
+                rejected_total[reason] = rejected_total.get(reason, 0) + v
+        f = self.trainer.figures
+        now = time.monotonic()
+        self._accepted_times = [(t, n) for t, n in self._accepted_times if now - t < 60]
+        window = min(60.0, max(time.time() - self.started, 1e-3))
+        accepted_groups = sum(v for k, v in counts["groups"].items() if not k.startswith("rejected"))
+        accepted_trajs = sum(v for k, v in trajs.items() if not k.startswith("rejected"))
+        recent = f.recent_rewards[-64:]
+        return pb.StatusReply(
+            model=self.model_name,
+            model_source=self.model_source,
+            model_version=self.trainer.version,
+            buffer_groups=self.store.buffer_depth,
+            accepted_groups=accepted_groups,
+            accepted_trajectories=accepted_trajs,
+            rejected=rejected_total,
+            trained_trajectories=trajs.get("trained", 0),
+            trained_groups=counts["groups"].get("trained", 0),
+            reward_mean_recent=sum(recent) / len(recent) if recent else 0.0,
+            trajectories_per_second=sum(n for _, n in self._accepted_times) / window,
+            tokens_generated=self.tokens_generated,
+            last_checkpoint_version=f.last_checkpoint_version,
+            uptime_s=time.time() - self.started,
+            refused_calls=self.refused_calls,
+            last_step=f.last_step,
+            pid=os.getpid(),
+            received_by_task=by_task,
+        )
+
+
+def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.ServerInterceptor:
+    """Require `authorization: Bearer <token>` on every call but health and reflection."""
+    expected = f"Bearer {token}"
+    open_prefixes = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    class _Auth(grpc.aio.ServerInterceptor):
+        async def intercept_service(
+            self,
+            continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails,
+        ) -> grpc.RpcMethodHandler:
+            if details.method.startswith(open_prefixes):
+                return await continuation(details)
+            meta = dict(details.invocation_metadata or ())
+            if meta.get("authorization") == expected:
+                return await continuation(details)
+            on_refuse("unauthenticated")
+            return _deny(details.method)
+
+    return _Auth()
+
+
+def _deny(method: str) -> grpc.RpcMethodHandler:
+    msg = "missing or wrong bearer token (see <run dir>/token)"
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        yield  # pragma: no cover
+
+    if method.endswith(("SubmitStream",)):
+        return grpc.stream_stream_rpc_method_handler(stream)
+    if method.endswith("PullWeights"):
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)

@@ -1,0 +1,279 @@
+"""The server's training loop: accepted groups -> staleness gate -> merge/pack -> GRPO -> step.
+
+    take groups_per_step buffered groups (oldest first)
+    refuse groups whose lag > max_staleness (again: the version moved since Submit)
+    advantages per group -> training sequences (timeline merge) -> micro-batches (packing)
+    forward/backward per micro-batch (gradient accumulation, token-mean loss)
+    under the weights lock: optimizer step, version += 1  (generation sees whole versions)
+    mark the groups trained at that version; checkpoint every K steps
+
+Runs in its own thread beside the inference engine, on the same model object: forward and
+backward only read the weights, so generation continues during them; only the optimizer
+step excludes generation. Version = optimizer steps completed.
+
+Left out: a reference-model KL penalty; LoRA dropout (the model stays in eval mode because
+the engine shares it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from jetctl.recipe import ModelConfig
+from jetctl.server import checkpoint as ckpt
+from jetctl.server import merge
+from jetctl.server import weights as W
+from jetctl.server.algorithms.grpo import grpo_loss, group_advantages
+from jetctl.server.store import StoredGroup, TrajectoryStore
+
+
+@dataclass
+class TrainerFigures:
+    """Running totals read by Status and /metrics."""
+
+    trained_groups: int = 0
+    trained_trajectories: int = 0
+    tokens_trained: int = 0
+    stale_at_batch: int = 0
+    recent_rewards: list[float] = field(default_factory=list)
+    last_step: dict[str, float] = field(default_factory=dict)
+    last_checkpoint_version: int = -1
+    last_checkpoint_time: float = 0.0
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: Any,
+        cfg: ModelConfig,
+        store: TrajectoryStore,
+        *,
+        weights_lock: threading.Lock,
+        checkpoint_dir: Path,
+        steps_log: Path,
+        on_step: Callable[[dict[str, float]], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.store = store
+        self.lock = weights_lock
+        self.checkpoint_dir = checkpoint_dir
+        self.steps_log = steps_log
+        self.on_step = on_step
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+        )
+        self.params = params
+        self.version = 0
+        self.figures = TrainerFigures()
+        self._payload: W.WeightsPayload | None = None
+        self._payload_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the last complete checkpoint (if any); returns the version it restores."""
+        restored = ckpt.restore(self.checkpoint_dir, self.model, self.optimizer)
+        if restored is not None:
+            self.version = restored.version
+            self.figures.last_checkpoint_version = restored.version
+        return self.version
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Finish the current step, then checkpoint if anything is new since the last one."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout_s)
+        if self.version != self.figures.last_checkpoint_version:
+            self.checkpoint()
+
+    @property
+    def done(self) -> bool:
+        limit = self.cfg.train.max_steps
+        return limit is not None and self.version >= limit
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and not self.done:
+                self.step_once(wait_s=0.5)
+        except BaseException as exc:  # surfaced through Status and the server log
+            self.error = exc
+            raise
+
+    # --- one step --------------------------------------------------------------------
+
+    def step_once(self, wait_s: float) -> dict[str, float] | None:
+        """Train on one batch if one is ready; returns the step scalars (None if idle)."""
+        tc = self.cfg.train
+        t_wait = time.monotonic()
+        taken = self.store.take(tc.groups_per_step, timeout_s=wait_s)
+        if not taken:
+            return None
+        fresh, stale = [], []
+        for s in taken:
+            (stale if s.group.lag(self.version) > tc.max_staleness else fresh).append(s)
+        if stale:
+            self.store.mark_rejected(
+                [s.group.id for s in stale],
+                f"stale: lag > max_staleness {tc.max_staleness} at batch time",
+            )
+            self.figures.stale_at_batch += sum(len(s.group.trajectories) for s in stale)
+        if len(fresh) < tc.groups_per_step:
+            self.store.give_back(fresh)
+            return None
+        wait_s_spent = time.monotonic() - t_wait
+        return self._train(fresh, wait_s_spent)
+
+    def _train(self, batch: list[StoredGroup], wait_s: float) -> dict[str, float]:
+        tc = self.cfg.train
+        t0 = time.monotonic()
+        version_before = self.version
+        sequences: list[merge.TrainSequence] = []
+        naive: list[merge.TrainSequence] = []
+        rewards: list[float] = []
+        lags: list[int] = []
+        zero_std = 0
+        response_tokens = 0
+        for s in batch:
+            g = s.group
+            group_rewards = [t.reward for t in g.trajectories]
+            rewards += group_rewards
+            lags.append(g.lag(self.version))
+            advantages = group_advantages(group_rewards)
+            if all(a == 0.0 for a in advantages):
+                zero_std += 1
+                continue
+            for t, a in zip(g.trajectories, advantages):
+                response_tokens += sum(len(c.completion_ids) for c in t.calls)
+                sequences += merge.timeline_sequences(t, a, tc.merge)
+                naive += merge.timeline_sequences(t, a, "off")
+
+        scalars: dict[str, float] = {}
+        if sequences:
+            scalars = self._optimize(sequences, naive)
+        with self.lock:
+            if sequences:
+                self.optimizer.step()
+                self.version += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        t_train = time.monotonic() - t0
+        ids = [s.group.id for s in batch]
+        self.store.mark_trained(ids, self.version)
+
+        n_traj = sum(len(s.group.trajectories) for s in batch)
+        f = self.figures
+        f.trained_groups += len(batch)
+        f.trained_trajectories += n_traj
+        f.tokens_trained += int(scalars.get("num_tokens", 0))
+        f.recent_rewards = (f.recent_rewards + rewards)[-256:]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        scalars.update(
+            {
+                "step": float(self.version),
+                "stepped": float(self.version != version_before),
+                "time": time.time(),
+                "reward/mean": mean,
+                "reward/std": std,
+                "frac_reward_zero_std": zero_std / len(batch),
+                "groups": float(len(batch)),
+                "trajectories": float(n_traj),
+                "response_length/mean": response_tokens / max(n_traj, 1),
+                "learning_rate": self.optimizer.param_groups[0]["lr"],
+                "staleness/mean": sum(lags) / len(lags),
+                "staleness/max": float(max(lags)),
+                "timing/wait_s": wait_s,
+                "timing/train_s": t_train,
+                "buffer/depth": float(self.store.buffer_depth),
+            }
+        )
+        if "num_tokens" in scalars and t_train > 0:
+            scalars["tokens_per_second"] = scalars["num_tokens"] / t_train
+        f.last_step = scalars
+        self._log(scalars)
+        if self.on_step:
+            self.on_step(scalars)
+        if self.version != version_before and self.version % self.cfg.checkpoint.every_steps == 0:
+            self.checkpoint()
+        return scalars
+
+    def _optimize(
+        self, sequences: list[merge.TrainSequence], naive: list[merge.TrainSequence]
+    ) -> dict[str, float]:
+        tc = self.cfg.train
+        microbatches = merge.pack(sequences, tc.merge, tc.max_tokens_per_microbatch)
+        normalizer = sum(int(mb.targets.numel()) for mb in microbatches)
+        loss_total = 0.0
+        stats = []
+        for mb in microbatches:
+            new_lp = merge.token_logprobs(self.model, mb)
+            loss, st = grpo_loss(
+                new_lp, mb.old_logprobs, mb.advantages, clip_eps=tc.clip_eps,
+                normalizer=normalizer,
+            )
+            loss.backward()
+            loss_total += float(loss.detach())
+            stats.append((int(mb.targets.numel()), st))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.cfg.optimizer.max_grad_norm
+        )
+        w = [n / max(normalizer, 1) for n, _ in stats]
+        tokens_packed = sum(mb.num_tokens for mb in microbatches)
+        tokens_naive = sum(len(s.tokens) for s in naive)
+        return {
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "kl": sum(wi * st.approx_kl for wi, (_, st) in zip(w, stats)),
+            "clip_fraction": sum(wi * st.clip_fraction for wi, (_, st) in zip(w, stats)),
+            "importance_ratio/mean": sum(wi * st.ratio_mean for wi, (_, st) in zip(w, stats)),
+            "importance_ratio/min": min(st.ratio_min for _, st in stats),
+            "importance_ratio/max": max(st.ratio_max for _, st in stats),
+            "num_tokens": float(tokens_packed),
+            "merge/tokens_naive": float(tokens_naive),
+            "merge/tokens_packed": float(tokens_packed),
+            "merge/ratio": tokens_naive / max(tokens_packed, 1),
+            "microbatches": float(len(microbatches)),
+            "scored_tokens": float(normalizer),
+        }
+
+    # --- publishing and checkpoints -----------------------------------------------------
+
+    def weights_payload(self) -> W.WeightsPayload:
+        """The current version's trainable weights, serialized once per version."""
+        with self._payload_lock:
+            if self._payload is None or self._payload.version != self.version:
+                with self.lock:
+                    self._payload = W.snapshot(self.model, self.version)
+            return self._payload
+
+    def checkpoint(self) -> Path:
+        with self.lock:
+            path = ckpt.save(
+                self.checkpoint_dir, self.model, self.optimizer, self.version,
+                {"version": self.version, "time": time.time()}, keep=self.cfg.checkpoint.keep,
+            )
+        self.figures.last_checkpoint_version = self.version
+        self.figures.last_checkpoint_time = time.time()
+        self.store.forget_payloads(through_step=self.version)
+        return path
+
+    def _log(self, scalars: dict[str, float]) -> None:
+        self.steps_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.steps_log.open("a") as f:
+            f.write(json.dumps(scalars) + "\n")
