@@ -1,128 +1,904 @@
 """Recipe schema: one pydantic model tree for the run, its models and its tasks.
 
-Load with `load_recipe(path)`; errors come all at once with YAML line, value and fix
-(`jetctl validate FILE`). `${VAR}` and `${VAR:-default}` are interpolated from the
-environment before validation.
+Load with `load_recipe(path)`; errors come all at once as a `RecipeError` whose issues
+carry the YAML line, the dotted key, the value and the fix (`jetctl validate FILE`).
+`${VAR}` and `${VAR:-default}` are interpolated from the environment into scalar values
+before validation (`$${` writes a literal `${`).
+
+Cross-field checks (e.g. `concurrency` vs `group_size`) live in `model_validator`s on the
+smallest model that holds both fields. They run once that model's own fields are valid,
+so a recipe with type errors reports those first and its cross-field problems on the
+next run, as pydantic does.
+
+Left out: checking that `env`/`agent` modules import (only their `module:function` syntax
+is checked; importing user code belongs to the client) and that model sources exist.
+
+The field reference in docs/recipe.md is generated from this schema:
+`python -m jetctl.recipe --write-docs docs/recipe.md`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+import json
+import os
+import re
+import sys
+import types
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticUndefined
+
+# --------------------------------------------------------------------------- schema
+
+
+class Problem(NamedTuple):
+    """One cross-field problem found by a validator; `loc` is relative to its model."""
+
+    loc: tuple[str | int, ...]
+    value: object
+    message: str
+
+
+class CrossFieldError(ValueError):
+    """Raised by model validators with every problem they found, so each keeps its key.
+
+    pydantic wraps it as a `value_error` whose `ctx["error"]` is this object; the loader
+    prefixes each problem's `loc` with the error's and so reports the exact YAML line.
+    """
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__(
+            "; ".join(f"{_dotted(p.loc)} = {_show(p.value)}: {p.message}" for p in problems)
+        )
+
+
+def _raise_problems(problems: list[Problem]) -> None:
+    if problems:
+        raise CrossFieldError(problems)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
 class LoraConfig(_Strict):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    r: int = Field(default=16, ge=1, description="LoRA rank")
+    alpha: int = Field(
+        default=32, ge=1, description="LoRA scale; the update is scaled by alpha / r"
+    )
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input")
+    target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="names of the modules to adapt",
+    )
 
 
 class OptimizerConfig(_Strict):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lr: float = Field(default=1e-5, gt=0, description="learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam (beta1, beta2)")
+    max_grad_norm: float = Field(
+        default=1.0, gt=0, description="clip gradients to this global L2 norm"
+    )
 
 
 class TrainConfig(_Strict):
-    algorithm: Literal["grpo"] = "grpo"
-    groups_per_step: int = Field(2, ge=1)  # groups in one optimizer step
-    max_staleness: int = Field(4, ge=0)  # refuse groups whose lag exceeds this many steps
-    clip_eps: float = Field(0.2, gt=0)  # epsilon of PPO-clip
-    kl_coef: float = Field(0.0, ge=0)
-    merge: Literal["off", "linear", "tree"] = "tree"
-    max_tokens_per_microbatch: int = Field(8192, ge=64)
-    max_steps: int | None = Field(None, ge=1)  # stop training after this many steps
+    algorithm: Literal["grpo"] = Field(
+        default="grpo", description="policy-gradient algorithm (GRPO: group-normalised advantages)"
+    )
+    groups_per_step: int = Field(default=2, ge=1, description="groups in one optimizer step")
+    max_staleness: int = Field(
+        default=4,
+        ge=0,
+        description="refuse groups whose lag (server version - oldest call version) "
+        "exceeds this many steps",
+    )
+    clip_eps: float = Field(
+        default=0.2, gt=0, description="epsilon of PPO-clip: ratio clipped to [1 - eps, 1 + eps]"
+    )
+    kl_coef: float = Field(default=0.0, ge=0, description="weight of the KL penalty (0: none)")
+    merge: Literal["off", "linear", "tree"] = Field(
+        default="tree",
+        description="off: one sequence per call; linear: merge calls whose context extends "
+        "an earlier call; tree: also pack shared prefixes as a prefix tree",
+    )
+    max_tokens_per_microbatch: int = Field(
+        default=8192, ge=64, description="token budget of one forward/backward micro-batch"
+    )
+    max_steps: int | None = Field(
+        default=None, ge=1, description="stop training after this many steps (null: no limit)"
+    )
 
 
 class CheckpointConfig(_Strict):
-    every_steps: int = Field(10, ge=1)
-    keep: int = Field(3, ge=1)
-    dir: str | None = None  # default: <run dir>/checkpoints/<model>
+    every_steps: int = Field(default=10, ge=1, description="checkpoint every this many steps")
+    keep: int = Field(default=3, ge=1, description="how many recent checkpoints to keep")
+    dir: str | None = Field(
+        default=None, description="folder or fsspec URL (null: <run dir>/checkpoints/<model>)"
+    )
 
 
 class GenerationConfig(_Strict):
-    max_batch_size: int = Field(16, ge=1)
-    batch_wait_ms: float = Field(20.0, ge=0)
-    max_new_tokens: int = Field(256, ge=1)  # cap on any request's max_tokens
-    max_context_tokens: int = Field(2048, ge=16)
+    max_batch_size: int = Field(
+        default=16, ge=1, description="most requests batched into one forward"
+    )
+    batch_wait_ms: float = Field(
+        default=20.0, ge=0, description="how long the server waits to fill a batch"
+    )
+    max_new_tokens: int = Field(default=256, ge=1, description="cap on any request's max_tokens")
+    max_context_tokens: int = Field(
+        default=2048, ge=16, description="cap on prompt + completion tokens of one request"
+    )
 
 
 class LimitsConfig(_Strict):
-    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_message_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=1024,
+        description="largest gRPC message accepted; larger ones get RESOURCE_EXHAUSTED",
+    )
 
 
 class ModelConfig(_Strict):
-    model: str  # builtin:tiny | builtin:smollm2-135m-instruct | HF repo id | local folder
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    engine: Literal["hf", "vllm"] = "hf"
-    finetune: Literal["lora", "full"] = "lora"
-    lora: LoraConfig = LoraConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    train: TrainConfig = TrainConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    generation: GenerationConfig = GenerationConfig()
-    limits: LimitsConfig = LimitsConfig()
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
-    metrics_port: int = Field(0, ge=0, le=65535)
-    seed: int = 0
+    model: str = Field(
+        description="builtin:tiny | builtin:smollm2-135m-instruct | HF repo id | local folder"
+    )
+    device: str = Field(default="cpu", description="torch device of the server: cpu, cuda, cuda:1")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="weight dtype"
+    )
+    engine: Literal["hf", "vllm"] = Field(
+        default="hf", description="inference engine: hf (dynamic batching) or vllm (continuous)"
+    )
+    finetune: Literal["lora", "full"] = Field(
+        default="lora", description="train a LoRA adapter (peft) or every weight"
+    )
+    lora: LoraConfig = Field(default=LoraConfig(), description="used when finetune is lora")
+    optimizer: OptimizerConfig = Field(default=OptimizerConfig(), description="optimizer")
+    train: TrainConfig = Field(default=TrainConfig(), description="training loop")
+    checkpoint: CheckpointConfig = Field(default=CheckpointConfig(), description="checkpoints")
+    generation: GenerationConfig = Field(default=GenerationConfig(), description="serving")
+    limits: LimitsConfig = Field(default=LimitsConfig(), description="wire limits")
+    host: str = Field(default="127.0.0.1", description="address the server binds")
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0: pick a free port)")
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Prometheus /metrics port (0: pick a free port)"
+    )
+    seed: int = Field(default=0, description="seed of the server's RNG")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        problems: list[Problem] = []
+        if self.port and self.port == self.metrics_port:
+            problems.append(
+                Problem(
+                    ("metrics_port",),
+                    self.metrics_port,
+                    f"is the same as port ({self.port}): use another port, or 0 to pick one",
+                )
+            )
+        _raise_problems(problems)
+        return self
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(default=1.0, ge=0, description="sampling temperature of rollouts")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_tokens: int = Field(default=128, ge=1, description="most tokens one model call generates")
+
+
+_ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class TaskConfig(_Strict):
-    env: str  # module:factory, e.g. envs.arithmetic:make_env
-    agent: str  # module:function, e.g. agents.arithmetic:agent
-    model: str  # the models: key that trains on this task
-    env_args: dict[str, object] = {}
-    clients: int = Field(1, ge=0)
-    group_size: int = Field(8, ge=2)  # G in GRPO
-    concurrency: int = Field(8, ge=1)  # rollouts a node runs at once
-    rollout_timeout_s: float = Field(120.0, gt=0)
-    runtime: Literal["process", "docker"] = "process"
-    inference: Literal["server", "local"] = "server"
-    sampling: SamplingConfig = SamplingConfig()
-    spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)  # back-pressure watermark
-    seed: int = 0
+    env: str = Field(description="module:factory of the environment, e.g. envs.arithmetic:make_env")
+    agent: str = Field(description="module:function of the agent, e.g. agents.arithmetic:agent")
+    model: str = Field(description="the key under models: that trains on this task")
+    env_args: dict[str, object] = Field(
+        default={}, description="keyword arguments of the env factory"
+    )
+    clients: int = Field(default=1, ge=0, description="client nodes running this task")
+    group_size: int = Field(
+        default=8, ge=2, description="G in GRPO: rollouts of one task per group"
+    )
+    concurrency: int = Field(default=8, ge=1, description="rollouts a node runs at once")
+    rollout_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="a rollout running longer is killed and recorded as timeout",
+    )
+    runtime: Literal["process", "docker"] = Field(
+        default="process", description="process: subprocesses here; docker: a container per node"
+    )
+    inference: Literal["server", "local"] = Field(
+        default="server",
+        description="server: generate on the model's server; local: on the client with "
+        "weights pulled from the server",
+    )
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="sampling of rollouts")
+    spool_max_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1024,
+        description="back-pressure watermark: a node stops taking tasks above this spool size",
+    )
+    seed: int = Field(default=0, description="seed of task sampling")
+
+    @field_validator("env", "agent")
+    @classmethod
+    def _entry_point(cls, value: str) -> str:
+        if not _ENTRY_POINT.match(value):
+            raise ValueError(
+                "must be 'module:function' (a dotted module, a colon, a name), "
+                "e.g. envs.arithmetic:make_env"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _group_fits(self) -> TaskConfig:
+        if self.concurrency < self.group_size:
+            _raise_problems(
+                [
+                    Problem(
+                        ("concurrency",),
+                        self.concurrency,
+                        f"is less than group_size ({self.group_size}); a node runs a "
+                        "group's rollouts at once so the server can batch them: set "
+                        f"concurrency to at least {self.group_size}",
+                    )
+                ]
+            )
+        return self
 
 
 class RunConfig(_Strict):
-    name: str = "run"
-    dir: str | None = None  # default: runs/<name>
-    token: str | None = None  # default: generated by `jetctl up`, stored 0600
-    duration_s: float | None = Field(None, gt=0)  # stop the run after this long
-    restart_backoff_s: float = Field(1.0, gt=0)
-    restart_backoff_max_s: float = Field(30.0, gt=0)
+    name: str = Field(default="run", description="run name; names the run directory")
+    dir: str | None = Field(default=None, description="run directory (null: runs/<name>)")
+    token: str | None = Field(
+        default=None,
+        description="bearer token of every RPC (null: generated by jetctl up, stored 0600); "
+        "read a secret with ${VAR}",
+    )
+    duration_s: float | None = Field(
+        default=None, gt=0, description="stop the run after this long (null: run until jetctl down)"
+    )
+    restart_backoff_s: float = Field(
+        default=1.0, gt=0, description="first delay before a dead process is restarted; doubles"
+    )
+    restart_backoff_max_s: float = Field(default=30.0, gt=0, description="cap on that delay")
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> RunConfig:
+        if self.restart_backoff_s > self.restart_backoff_max_s:
+            _raise_problems(
+                [
+                    Problem(
+                        ("restart_backoff_s",),
+                        self.restart_backoff_s,
+                        f"is more than restart_backoff_max_s ({self.restart_backoff_max_s}): "
+                        "lower it or raise the cap",
+                    )
+                ]
+            )
+        return self
 
 
 class Recipe(_Strict):
-    run: RunConfig = RunConfig()
-    models: dict[str, ModelConfig]
-    tasks: dict[str, TaskConfig]
+    run: RunConfig = Field(default=RunConfig(), description="the run as a whole")
+    models: dict[str, ModelConfig] = Field(description="trainable models, one server each")
+    tasks: dict[str, TaskConfig] = Field(description="tasks, one client pool each")
 
     @model_validator(mode="after")
-    def _tasks_name_known_models(self) -> "Recipe":
-        for name, task in self.tasks.items():
-            if task.model not in self.models:
-                known = ", ".join(sorted(self.models)) or "(none)"
-                raise ValueError(
-                    f"tasks.{name}.model is {task.model!r}, which is not a key of models: "
-                    f"use one of {known}"
-                )
+    def _tasks_name_known_models(self) -> Recipe:
+        task_models = {name: task.model for name, task in self.tasks.items()}
+        _raise_problems(_recipe_problems(task_models, self.models, self.models, self.tasks))
         return self
 
     @property
     def run_dir(self) -> str:
         return self.run.dir or f"runs/{self.run.name}"
+
+
+def _recipe_problems(
+    task_models: Mapping[str, str],
+    model_names: Collection[str],
+    models: Mapping[str, ModelConfig],
+    tasks: Mapping[str, TaskConfig],
+) -> list[Problem]:
+    """Checks across models and tasks. `task_models` maps each task to its `model:` and
+    `model_names` holds every key of models; `models` and `tasks` hold the valid ones
+    (all of them, unless the loader is checking a recipe with field errors)."""
+    problems: list[Problem] = []
+    if not model_names:
+        problems.append(
+            Problem(("models",), {}, "names no model: add one, e.g. policy: {model: ...}")
+        )
+    known = ", ".join(sorted(model_names)) or "(none)"
+    for name, model_key in task_models.items():
+        if model_key not in model_names:
+            close = difflib.get_close_matches(model_key, list(model_names), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                Problem(
+                    ("tasks", name, "model"),
+                    model_key,
+                    f"is not a key of models: use one of {known}{hint}",
+                )
+            )
+        elif name in tasks and model_key in models:
+            cap = models[model_key].generation.max_new_tokens
+            context = models[model_key].generation.max_context_tokens
+            wanted = tasks[name].sampling.max_tokens
+            if wanted >= context:
+                problems.append(
+                    Problem(
+                        ("tasks", name, "sampling", "max_tokens"),
+                        wanted,
+                        f"leaves no room for the prompt in models.{model_key}.generation."
+                        f"max_context_tokens ({context}), so the server would refuse every "
+                        f"request: lower max_tokens well below {context}",
+                    )
+                )
+            elif wanted > cap:
+                problems.append(
+                    Problem(
+                        ("tasks", name, "sampling", "max_tokens"),
+                        wanted,
+                        f"exceeds models.{model_key}.generation.max_new_tokens ({cap}), the "
+                        f"server's cap on any request: lower max_tokens to {cap} or raise "
+                        "max_new_tokens",
+                    )
+                )
+    taken: dict[tuple[str, int], str] = {}
+    for name, model in models.items():
+        for key in ("port", "metrics_port"):
+            port: int = getattr(model, key)
+            where = f"models.{name}.{key}"
+            other = taken.setdefault((model.host, port), where) if port else where
+            if other != where:
+                problems.append(
+                    Problem(
+                        ("models", name, key),
+                        port,
+                        f"is already used by {other}: use another port, or 0 to pick one",
+                    )
+                )
+    return problems
+
+
+def _partial_problems(data: object) -> list[Problem]:
+    """`_recipe_problems` over the parts of a recipe that are valid on their own, so that
+    a recipe with field errors also gets its cross-references checked in the same run."""
+    if not isinstance(data, dict):
+        return []
+    models_raw, tasks_raw = data.get("models"), data.get("tasks")
+    if not isinstance(models_raw, dict) or not isinstance(tasks_raw, dict):
+        return []
+    task_models = {
+        str(name): task["model"]
+        for name, task in tasks_raw.items()
+        if isinstance(task, dict) and isinstance(task.get("model"), str)
+    }
+    models = {str(k): m for k, v in models_raw.items() if (m := _valid(ModelConfig, v))}
+    tasks = {str(k): t for k, v in tasks_raw.items() if (t := _valid(TaskConfig, v))}
+    names = [str(name) for name in models_raw]
+    return _recipe_problems(task_models, names, models, tasks)
+
+
+def _valid(cls: type[_M], raw: object) -> _M | None:
+    """`raw` validated as `cls`, or None when it has errors (they are reported already)."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class RecipeIssue:
+    """One problem in a recipe file: where it is, what the value is, and the fix."""
+
+    file: str
+    line: int | None  # 1-based YAML line; None when the file could not be read
+    path: str  # dotted key path, e.g. tasks.math.group_size ("" for the file as a whole)
+    message: str  # the constraint broken and how to fix it
+    value: object = None
+    has_value: bool = False  # False for a missing key or a file-level problem
+
+    def render(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line is not None else self.file
+        what = self.path
+        if self.has_value:
+            what = f"{what} = {_show(self.value, self.path)}"
+        return f"{where}: {what}: {self.message}" if what else f"{where}: {self.message}"
+
+
+class RecipeError(Exception):
+    """Every problem found in one recipe file, sorted by line."""
+
+    def __init__(self, issues: list[RecipeIssue]) -> None:
+        self.issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0))
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        """One line per issue: `FILE:LINE: key.path = value: constraint and fix`."""
+        return "\n".join(issue.render() for issue in self.issues)
+
+
+# --------------------------------------------------------------------------- loading
+
+_Loc = tuple[str | int, ...]
+_Key = tuple[str, ...]  # a loc with every part as str, to match YAML keys and indexes
+
+
+def load_recipe(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Recipe:
+    """Read, interpolate and validate a recipe file; raise `RecipeError` with every issue.
+
+    `env` defaults to `os.environ`.
+    """
+    file = os.fspath(path)
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError([RecipeIssue(file, None, "", "file not found")]) from None
+    except IsADirectoryError:
+        raise RecipeError([RecipeIssue(file, None, "", "is a directory, not a file")]) from None
+    except UnicodeDecodeError:
+        raise RecipeError([RecipeIssue(file, None, "", "is not UTF-8 text")]) from None
+    except OSError as err:
+        raise RecipeError([RecipeIssue(file, None, "", err.strerror or str(err))]) from None
+    return parse_recipe(text, file=file, env=env)
+
+
+def parse_recipe(text: str, file: str = "<recipe>", env: Mapping[str, str] | None = None) -> Recipe:
+    """`load_recipe` for YAML text already in memory; `file` is the name used in issues."""
+    environ: Mapping[str, str] = os.environ if env is None else env
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            raise RecipeError(
+                [RecipeIssue(file, 1, "", "the file is empty: a recipe needs models: and tasks:")]
+            )
+        prep = _Interpolator(loader, environ, file)
+        prep.walk(root, ())
+        data = loader.construct_document(root)
+    except yaml.MarkedYAMLError as err:
+        raise RecipeError([_syntax_issue(file, err)]) from None
+    finally:
+        loader.dispose()
+    lines: dict[_Key, int] = {}
+    _line_map(root, (), root.start_mark.line + 1, lines, set())
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        # a key with an interpolation problem is reported once, for that problem
+        reported = {issue.path for issue in prep.issues}
+        found = _issues(err, file, lines, prep.interpolated)
+        if not any(error["loc"] == () for error in err.errors()):  # Recipe's check did not run
+            found += _problem_issues(_partial_problems(data), (), file, lines, prep.interpolated)
+        raise RecipeError(prep.issues + [i for i in found if i.path not in reported]) from None
+    if prep.issues:
+        raise RecipeError(prep.issues)
+    return recipe
+
+
+def _syntax_issue(file: str, err: yaml.MarkedYAMLError) -> RecipeIssue:
+    mark = err.problem_mark or err.context_mark
+    problem = err.problem or "invalid YAML"
+    if err.context:
+        problem = f"{err.context}, {problem}"
+    if "\\t" in problem or "\t" in problem:
+        problem += " (indent with spaces, not tabs)"
+    elif "block" in problem:
+        problem += " (check the indentation)"
+    line = mark.line + 1 if mark is not None else None
+    return RecipeIssue(file, line, "", f"YAML syntax error: {problem}")
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_REFERENCE = re.compile(r"\$\$\{|\$\{([^}]*)\}")
+_NAME_DEFAULT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?$", re.DOTALL)
+
+
+@dataclass
+class _Interpolator:
+    """Interpolates `${VAR}` in scalar values and flags duplicate keys, in place."""
+
+    loader: yaml.SafeLoader
+    environ: Mapping[str, str]
+    file: str
+    issues: list[RecipeIssue] = field(default_factory=list)
+    interpolated: dict[_Key, str] = field(default_factory=dict)  # key path -> text as written
+    visited: set[int] = field(default_factory=set)  # node ids (an alias shares its node)
+
+    def walk(self, node: yaml.Node, path: _Key) -> None:
+        if id(node) in self.visited:
+            return
+        self.visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    self.issues.append(
+                        RecipeIssue(
+                            self.file,
+                            line,
+                            _dotted((*path, key)),
+                            f"duplicate key (first on line {seen[key]}); YAML would keep only "
+                            "the last: remove one",
+                        )
+                    )
+                seen.setdefault(key, line)
+                self.walk(value_node, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self.walk(item, (*path, str(index)))
+        elif isinstance(node, yaml.ScalarNode) and "${" in node.value:
+            self._interpolate(node, path)
+
+    def _interpolate(self, node: yaml.ScalarNode, path: _Key) -> None:
+        raw: str = node.value
+        line = node.start_mark.line + 1
+
+        def substitute(match: re.Match[str]) -> str:
+            if match.group(0) == "$${":
+                return "${"
+            ref = _NAME_DEFAULT.match(match.group(1))
+            if ref is None:
+                self.issues.append(
+                    RecipeIssue(
+                        self.file,
+                        line,
+                        _dotted(path),
+                        f"malformed reference {match.group(0)}: write ${{NAME}} or "
+                        "${NAME:-default}, or $${ for a literal ${",
+                        raw,
+                        True,
+                    )
+                )
+                return match.group(0)
+            name, default = ref.group(1), ref.group(2)
+            value = self.environ.get(name)
+            if default is not None and not value:  # like the shell: unset or empty
+                return default
+            if value is None:
+                self.issues.append(
+                    RecipeIssue(
+                        self.file,
+                        line,
+                        _dotted(path),
+                        f"environment variable {name} is not set: export {name}=... "
+                        f"or write ${{{name}:-default}}",
+                    )
+                )
+                return match.group(0)
+            return value
+
+        node.value = _REFERENCE.sub(substitute, raw)
+        self.interpolated[path] = raw
+        if node.style is None:  # a plain scalar: type it as if the value had been written
+            node.tag = self.loader.resolve(yaml.ScalarNode, node.value, (True, False))
+
+
+def _line_map(
+    node: yaml.Node, path: _Key, line: int, lines: dict[_Key, int], ancestors: set[int]
+) -> None:
+    """Record the 1-based line of every key path (a key's line, or a list item's)."""
+    lines[path] = line
+    if id(node) in ancestors:  # a recursive alias
+        return
+    ancestors = ancestors | {id(node)}
+    if isinstance(node, yaml.MappingNode):
+        # the last of duplicate keys is the one YAML keeps
+        last = {str(k.value): (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+        for key, (key_node, value_node) in last.items():
+            key_line = key_node.start_mark.line + 1
+            _line_map(value_node, (*path, key), key_line, lines, ancestors)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            item_line = item.start_mark.line + 1
+            _line_map(item, (*path, str(index)), item_line, lines, ancestors)
+
+
+def _line_for(loc: _Loc, lines: dict[_Key, int]) -> int | None:
+    key: _Key = tuple(str(part) for part in loc)
+    while key not in lines and key:
+        key = key[:-1]
+    return lines.get(key)
+
+
+# --------------------------------------------------------------------------- messages
+
+_WHY: dict[tuple[str, str], str] = {
+    ("TaskConfig", "group_size"): "GRPO needs at least two rollouts per group",
+    ("TaskConfig", "clients"): "0 starts no client node for this task",
+    ("LoraConfig", "dropout"): "a probability",
+    ("SamplingConfig", "top_p"): "a probability mass",
+    ("ModelConfig", "port"): "0 picks a free port",
+    ("ModelConfig", "metrics_port"): "0 picks a free port",
+    ("TrainConfig", "max_staleness"): "0 accepts only groups made by the current weights",
+}
+_BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+_TYPES = {
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "dict_type": "must be a mapping of key: value lines",
+    "model_type": "must be a mapping of key: value lines",
+    "model_attributes_type": "must be a mapping of key: value lines",
+    "list_type": "must be a list",
+    "tuple_type": "must be a list",
+}
+
+
+def _issues(
+    err: ValidationError, file: str, lines: dict[_Key, int], interpolated: dict[_Key, str]
+) -> list[RecipeIssue]:
+    issues: list[RecipeIssue] = []
+    for error in err.errors():
+        loc: _Loc = tuple(part for part in error["loc"] if part != "[key]")
+        ctx: dict[str, Any] = error.get("ctx") or {}
+        cause = ctx.get("error")
+        if isinstance(cause, CrossFieldError):
+            issues += _problem_issues(cause.problems, loc, file, lines, interpolated)
+            continue
+        message = _describe(error["type"], loc, ctx, error["input"], error["msg"])
+        missing = error["type"] == "missing"
+        issues.append(
+            RecipeIssue(
+                file,
+                _line_for(loc, lines),
+                _dotted(loc),
+                _with_source(message, loc, interpolated),
+                None if missing else error["input"],
+                not missing and bool(loc),
+            )
+        )
+    return issues
+
+
+def _problem_issues(
+    problems: list[Problem],
+    at: _Loc,
+    file: str,
+    lines: dict[_Key, int],
+    interpolated: dict[_Key, str],
+) -> list[RecipeIssue]:
+    issues = []
+    for problem in problems:
+        loc = (*at, *problem.loc)
+        message = _with_source(problem.message, loc, interpolated)
+        issues.append(
+            RecipeIssue(file, _line_for(loc, lines), _dotted(loc), message, problem.value, True)
+        )
+    return issues
+
+
+def _describe(kind: str, loc: _Loc, ctx: dict[str, Any], value: object, msg: str) -> str:
+    owner = _model_at(loc[:-1]) if loc else None
+    key = str(loc[-1]) if loc else ""
+    why = _WHY.get((owner.__name__, key)) if owner is not None else None
+    if kind == "extra_forbidden" and owner is not None:
+        return _unknown_key(key, owner, loc[:-1])
+    if kind == "missing":
+        if isinstance(loc[-1], int):
+            return f"item {loc[-1]} is missing"
+        info = owner.model_fields.get(key) if owner is not None else None
+        desc = f": {info.description}" if info is not None and info.description else ""
+        return f"required key is missing; add it{desc}"
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        text = f"must be {_BOUNDS[kind]} {bound}"
+        return f"{text} ({why})" if why else text
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}"
+    if kind == "value_error":
+        return str(ctx.get("error", msg))
+    if kind == "string_type":
+        if not loc:
+            return "a recipe must be a mapping with run:, models: and tasks:"
+        if isinstance(value, (int, float, bool)):
+            return f"must be a string: YAML read a {type(value).__name__}, so quote it"
+        return "must be a string"
+    if kind in _TYPES:
+        if not loc:
+            return "a recipe must be a mapping with run:, models: and tasks:"
+        return _TYPES[kind]
+    return msg[:1].lower() + msg[1:]
+
+
+def _unknown_key(key: str, owner: type[BaseModel], parent: _Loc) -> str:
+    """A suggestion for a key `owner` does not have: the same key where it does belong,
+    else the closest key of `owner`, else the list of `owner`'s keys."""
+    homes = [
+        doc.path.rsplit(".", 1)[0] for doc in reference_fields() if doc.path.endswith(f".{key}")
+    ]
+    if homes:
+        return f"unknown key here; {key} belongs under {' or '.join(homes)}"
+    known = list(owner.model_fields)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    where = _dotted(parent) or "the top level"
+    return f"unknown key; keys of {where} are: {', '.join(known)}"
+
+
+def _with_source(message: str, loc: _Loc, interpolated: dict[_Key, str]) -> str:
+    raw = interpolated.get(tuple(str(part) for part in loc))
+    return f"{message} (value from {raw})" if raw is not None else message
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_SECRET_KEYS = ("token", "secret", "password", "api_key", "apikey")
+
+
+def _show(value: object, path: str = "") -> str:
+    """A value as the user would recognise it in YAML, short; secrets masked."""
+    if any(path.lower().endswith(key) for key in _SECRET_KEYS) and value:
+        return "'***'"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        text = repr(value)
+    else:
+        text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------- schema walk
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [arg for arg in get_args(tp) if arg is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _model_at(loc: _Loc) -> type[BaseModel] | None:
+    """The schema model whose fields sit at `loc` (dict keys and list indexes skipped)."""
+    tp: Any = Recipe
+    for part in loc:
+        tp = _unwrap(tp)
+        if _is_model(tp):
+            info = tp.model_fields.get(str(part))
+            if info is None:
+                return None
+            tp = info.annotation
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        elif get_origin(tp) in (list, tuple):
+            tp = get_args(tp)[0]
+        else:
+            return None
+    tp = _unwrap(tp)
+    return tp if _is_model(tp) else None
+
+
+class FieldDoc(NamedTuple):
+    path: str  # dotted; dict keys appear as <name>
+    type: str
+    default: str  # "required" or the YAML of the default
+    description: str
+
+
+def reference_fields(model: type[BaseModel] = Recipe, prefix: str = "") -> Iterator[FieldDoc]:
+    """Every leaf field of the schema, in declaration order."""
+    for name, info in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        tp = _unwrap(info.annotation)
+        if _is_model(tp):
+            yield from reference_fields(tp, path)
+        elif get_origin(tp) is dict and _is_model(get_args(tp)[1]):
+            yield from reference_fields(get_args(tp)[1], f"{path}.<name>")
+        else:
+            yield FieldDoc(
+                path,
+                _type_name(info.annotation, info.metadata),
+                _default(info.default),
+                info.description or "",
+            )
+
+
+def _type_name(tp: Any, metadata: list[Any]) -> str:
+    if get_origin(tp) is Literal:
+        text = " \\| ".join(str(arg) for arg in get_args(tp))
+    elif get_origin(tp) in (Union, types.UnionType):
+        text = " \\| ".join(_type_name(arg, []) for arg in get_args(tp))
+    elif get_origin(tp) is not None:
+        args = ", ".join(_type_name(arg, []) for arg in get_args(tp))
+        text = f"{get_origin(tp).__name__}[{args}]"
+    elif tp is type(None):
+        text = "null"
+    else:
+        text = getattr(tp, "__name__", str(tp))
+    bounds = []
+    for item in metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            if getattr(item, attr, None) is not None:
+                bounds.append(f"{sign} {getattr(item, attr)}")
+    return f"{text}, {', '.join(bounds)}" if bounds else text
+
+
+def _default(value: object) -> str:
+    if value is PydanticUndefined:
+        return "required"
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...")
+    return f"`{text.strip()}`"
+
+
+def reference_markdown() -> str:
+    """The field table of docs/recipe.md, generated from the schema."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for doc in reference_fields():
+        meaning = doc.description.replace("|", "\\|").replace("<", "\\<")
+        rows.append(f"| `{doc.path}` | {doc.type} | {doc.default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+BEGIN_MARK = "<!-- BEGIN GENERATED: python -m jetctl.recipe --write-docs docs/recipe.md -->"
+END_MARK = "<!-- END GENERATED -->"
+
+
+def write_reference(doc: Path) -> None:
+    """Replace the generated table of `doc` (between the markers) with a fresh one."""
+    text = doc.read_text(encoding="utf-8")
+    head, rest = text.split(BEGIN_MARK, 1)
+    _, tail = rest.split(END_MARK, 1)
+    doc.write_text(f"{head}{BEGIN_MARK}\n{reference_markdown()}{END_MARK}{tail}", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--write-docs":
+        write_reference(Path(sys.argv[2]))
+    else:
+        sys.stdout.write(reference_markdown())

@@ -1,0 +1,1 @@
+"""Benchmarks behind `jetctl bench ...`: each prints figures measured side by side in one run."""

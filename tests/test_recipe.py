@@ -1,0 +1,300 @@
+"""Recipe loading: every shipped recipe validates; errors come all at once with their
+YAML line, value and fix; `${VAR}` interpolation; `jetctl validate` output and exit code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jetctl.cli.main import build_app
+from jetctl.recipe import (
+    BEGIN_MARK,
+    END_MARK,
+    Recipe,
+    RecipeError,
+    load_recipe,
+    parse_recipe,
+    reference_markdown,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+GOOD = """\
+run:
+  name: t
+models:
+  policy:
+    model: builtin:tiny
+tasks:
+  digits:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+"""
+
+
+def issues_of(text: str, env: dict[str, str] | None = None) -> list[tuple[int | None, str, str]]:
+    """(line, key path, rendered line) of every issue `text` has."""
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(text, file="r.yaml", env=env or {})
+    return [(i.line, i.path, i.render()) for i in caught.value.issues]
+
+
+def test_there_are_recipes() -> None:
+    names = {path.name for path in RECIPES}
+    assert {"quickstart.yaml", "tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates_and_is_headed_by_its_command(path: Path) -> None:
+    recipe = load_recipe(path, env={})
+    assert recipe.models and recipe.tasks
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    assert re.fullmatch(rf"# jetctl \S+ recipes/{re.escape(path.name)}.*", first), first
+
+
+def test_quickstart_is_what_the_docs_promise() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", env={})
+    policy, task = recipe.models["policy"], recipe.tasks["arithmetic"]
+    assert recipe.run.name == "quickstart" and recipe.run.duration_s == 900
+    assert policy.model == "builtin:smollm2-135m-instruct" and policy.finetune == "lora"
+    assert policy.lora.r == 16 and policy.optimizer.lr == pytest.approx(5e-4)
+    assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
+        2,
+        8,
+        8,
+        24,
+    )
+
+
+def test_tiny_is_what_the_tests_expect() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", env={})
+    policy, task = recipe.models["policy"], recipe.tasks["digits"]
+    assert policy.model == "builtin:tiny" and policy.finetune == "full"
+    assert policy.optimizer.lr == pytest.approx(2e-3)
+    assert (policy.train.groups_per_step, policy.train.max_staleness) == (2, 2)
+    assert policy.checkpoint.every_steps == 20
+    assert (task.clients, task.group_size, task.sampling.max_tokens) == (2, 8, 4)
+
+
+def test_three_planted_errors_are_all_reported_with_their_lines() -> None:
+    text = """\
+models:
+  policy:
+    model: builtin:tiny
+    optimizer:
+      lr: -0.1
+tasks:
+  math:
+    env: envs.arithmetic:make_env
+    agent: agents.arithmetic:agent
+    model: policy
+    group_size: 1
+    clients: two
+"""
+    found = issues_of(text)
+    assert [(line, path) for line, path, _ in found] == [
+        (5, "models.policy.optimizer.lr"),
+        (11, "tasks.math.group_size"),
+        (12, "tasks.math.clients"),
+    ]
+    rendered = [r for _, _, r in found]
+    assert rendered[0] == "r.yaml:5: models.policy.optimizer.lr = -0.1: must be > 0.0"
+    assert rendered[1] == (
+        "r.yaml:11: tasks.math.group_size = 1: must be >= 2 "
+        "(GRPO needs at least two rollouts per group)"
+    )
+    assert rendered[2] == "r.yaml:12: tasks.math.clients = 'two': must be an integer"
+
+
+def test_unknown_key_suggests_the_closest_known_key() -> None:
+    text = GOOD + "    grup_size: 4\n"
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (11, "tasks.digits.grup_size")
+    assert "did you mean 'group_size'?" in rendered
+
+
+def test_known_key_in_the_wrong_place_says_where_it_belongs() -> None:
+    text = GOOD.replace("    model: builtin:tiny\n", "    model: builtin:tiny\n    lr: 0.1\n")
+    [(line, _, rendered)] = issues_of(text)
+    assert line == 6 and "belongs under models.<name>.optimizer" in rendered
+
+
+def test_missing_required_key_points_at_its_parent() -> None:
+    text = GOOD.replace("    agent: agents.digits:agent\n", "")
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (7, "tasks.digits.agent")
+    assert "required key is missing" in rendered and "module:function" in rendered
+
+
+def test_unknown_model_of_a_task_points_at_its_model_key() -> None:
+    text = GOOD.replace("    model: policy\n", "    model: polcy\n")
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (10, "tasks.digits.model")
+    assert "use one of policy; did you mean 'policy'?" in rendered
+
+
+def test_cross_field_checks_run_alongside_field_errors() -> None:
+    text = """\
+models:
+  policy:
+    model: builtin:tiny
+    generation:
+      max_new_tokens: 16
+tasks:
+  a:
+    env: envs.a:make_env
+    agent: agents.a:agent
+    model: ghost
+    group_size: 0
+  b:
+    env: envs.b:make_env
+    agent: agents.b:agent
+    model: policy
+    group_size: 8
+    concurrency: 4
+    sampling:
+      max_tokens: 32
+"""
+    found = {path: rendered for _, path, rendered in issues_of(text)}
+    assert set(found) == {
+        "tasks.a.model",
+        "tasks.a.group_size",
+        "tasks.b.concurrency",
+    }
+    assert (
+        "r.yaml:17: tasks.b.concurrency = 4: is less than group_size (8)"
+        in found["tasks.b.concurrency"]
+    )
+    # once b's fields are valid, its max_tokens is checked against the server's cap
+    fixed = text.replace("    concurrency: 4\n", "")
+    found = {path: rendered for _, path, rendered in issues_of(fixed)}
+    assert found["tasks.b.sampling.max_tokens"] == (
+        "r.yaml:18: tasks.b.sampling.max_tokens = 32: exceeds "
+        "models.policy.generation.max_new_tokens (16), the server's cap on any request: "
+        "lower max_tokens to 16 or raise max_new_tokens"
+    )
+
+
+def test_max_tokens_must_leave_room_for_the_prompt() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    generation: {max_context_tokens: 64}\n",
+    )
+    [(line, path, rendered)] = issues_of(text + "    sampling: {max_tokens: 64}\n")
+    assert (line, path) == (12, "tasks.digits.sampling.max_tokens")
+    assert "leaves no room for the prompt" in rendered
+
+
+def test_entry_points_are_checked_for_syntax_without_importing() -> None:
+    ok = parse_recipe(GOOD.replace("envs.digits:make_env", "no.such.module:make"), env={})
+    assert ok.tasks["digits"].env == "no.such.module:make"
+    [(line, _, rendered)] = issues_of(GOOD.replace("envs.digits:make_env", "envs.digits"))
+    assert line == 8 and "must be 'module:function'" in rendered
+
+
+def test_duplicate_keys_are_reported() -> None:
+    text = GOOD.replace("  name: t\n", "  name: t\n  name: u\n")
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (3, "run.name") and "first on line 2" in rendered
+
+
+def test_env_var_set_default_and_escape() -> None:
+    text = GOOD + (
+        "    clients: ${CLIENTS:-3}\n"
+        "    env_args:\n"
+        "      key: '${KEY}'\n"
+        "      raw: $${HOME} is ${KEY}\n"
+    )
+    recipe = parse_recipe(text, env={"KEY": "s3cret"})
+    assert recipe.tasks["digits"].clients == 3
+    assert recipe.tasks["digits"].env_args == {"key": "s3cret", "raw": "${HOME} is s3cret"}
+    recipe = parse_recipe(text, env={"KEY": "k", "CLIENTS": "5"})
+    assert recipe.tasks["digits"].clients == 5
+    # like the shell, an empty value takes the default
+    assert parse_recipe(text, env={"KEY": "k", "CLIENTS": ""}).tasks["digits"].clients == 3
+
+
+def test_env_var_unset_names_line_and_variable() -> None:
+    text = GOOD.replace("  name: t\n", "  name: t\n  token: ${JET_TOKEN}\n")
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (3, "run.token")
+    assert "environment variable JET_TOKEN is not set" in rendered
+
+
+def test_env_var_bad_value_names_its_source_and_hides_secrets() -> None:
+    text = GOOD + "    clients: ${CLIENTS}\n"
+    [(line, _, rendered)] = issues_of(text, env={"CLIENTS": "many"})
+    assert line == 11 and rendered.endswith("must be an integer (value from ${CLIENTS})")
+    secret = GOOD.replace("  name: t\n", "  name: t\n  token: ${TOKEN}\n")
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(secret.replace("run:\n", "run:\n  bogus: 1\n"), env={"TOKEN": "s3cret"})
+    assert "s3cret" not in caught.value.render()
+
+
+def test_syntax_error_is_one_issue_with_its_line() -> None:
+    [(line, _, rendered)] = issues_of("models:\n  p:\n    model: x\n   bad: [\n")
+    assert line == 4 and rendered.startswith("r.yaml:4: YAML syntax error")
+
+
+def test_missing_file_is_one_issue(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(tmp_path / "nope.yaml")
+    assert caught.value.render() == f"{tmp_path / 'nope.yaml'}: file not found"
+
+
+def test_recipe_built_in_python_runs_the_same_checks() -> None:
+    with pytest.raises(ValueError, match="tasks.digits.model = 'x': is not a key of models"):
+        Recipe.model_validate(
+            {
+                "models": {"p": {"model": "m"}},
+                "tasks": {"digits": {"env": "a:b", "agent": "a:b", "model": "x"}},
+            }
+        )
+
+
+def test_docs_reference_is_generated_from_the_schema() -> None:
+    doc = (ROOT / "docs" / "recipe.md").read_text(encoding="utf-8")
+    generated = doc.split(BEGIN_MARK, 1)[1].split(END_MARK, 1)[0]
+    assert generated.strip() == reference_markdown().strip(), (
+        "docs/recipe.md is stale: run python -m jetctl.recipe --write-docs docs/recipe.md"
+    )
+
+
+# ---------------------------------------------------------------- jetctl validate
+
+
+def test_cli_validate_ok_and_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD + "    group_size: 1\n    grup_size: 2\n", encoding="utf-8")
+    good = ROOT / "recipes" / "tiny.yaml"
+    result = CliRunner().invoke(build_app(), ["validate", str(good), str(bad)])
+    assert result.exit_code == 1, result.output
+    assert f"ok: {good} (1 model, 1 task)" in result.stdout
+    assert f"{bad}:11: tasks.digits.group_size = 1: must be >= 2" in result.stderr
+    assert f"{bad}:12: tasks.digits.grup_size = 2: unknown key; did you mean" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_cli_validate_all_ok_exits_zero() -> None:
+    result = CliRunner().invoke(build_app(), ["validate", *map(str, RECIPES)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("ok: ") == len(RECIPES)
+
+
+def test_cli_validate_missing_file_and_syntax_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models:\n  p: [\n", encoding="utf-8")
+    missing = tmp_path / "missing.yaml"
+    result = CliRunner().invoke(build_app(), ["validate", str(missing), str(broken)])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"{missing}: file not found"
+    assert lines[1].startswith(f"{broken}:3: YAML syntax error")
+    assert len(lines) == 2 and "Traceback" not in result.output
