@@ -1,9 +1,236 @@
-"""`jetctl up` (placeholder until its owner fills it in)."""
+"""`jetctl up`, `jetctl down` (and the hidden `jetctl controller` that `up --detach` starts).
+
+    jetctl up recipes/arith.yaml              # foreground, live view; Ctrl-C drains and exits
+    jetctl up recipes/arith.yaml --detach     # background controller; returns once it is up
+    jetctl up recipes/arith.yaml --resume     # adopt the nodes of a controller that died
+    jetctl down [--run-dir D] [--grace S]     # drain clients, then servers; wait for the end
+
+The logic lives in `jetctl.controller`; this module parses flags and draws.
+"""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.live import Live
+
+from jetctl.cli.errors import fail
+from jetctl.recipe import Recipe
+
+LATEST_LINK = Path("runs/latest")
+DETACH_TIMEOUT_S = 120.0
+
+
+def load_recipe_or_fail(path: Path) -> Recipe:
+    """The validated recipe, or every problem in red (with its line) and exit 1."""
+    from jetctl.recipe import RecipeError, load_recipe
+
+    try:
+        return load_recipe(path)
+    except RecipeError as e:
+        fail(e.render())
+
+
+def _configure_logging(log_file: Path, console: Console | None) -> None:
+    """Controller events go to logs/controller.log and, in the foreground, above the live view."""
+    from rich.logging import RichHandler
+
+    root = logging.getLogger("jetctl")
+    root.setLevel(logging.INFO)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(log_file)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(fh)
+    if console is not None:
+        root.addHandler(RichHandler(console=console, show_path=False, markup=False))
+
+
+def up(
+    recipe: Annotated[Path, typer.Argument(help="The recipe YAML.")],
+    detach: Annotated[bool, typer.Option("--detach", help="Run the controller in the background.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Adopt the nodes of an earlier controller.")] = False,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Default: the recipe's run.dir or runs/<run.name>.")] = None,
+    grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
+) -> None:
+    """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
+    from jetctl.controller.controller import Controller, ControllerOptions
+    from jetctl.controller.rundir import RunDirError, RunPaths
+    from jetctl.status import document, render_progress
+
+    rec = load_recipe_or_fail(recipe)
+    rd = (run_dir or Path(rec.run_dir)).resolve()
+    if detach:
+        _detach(recipe, rd, resume, grace)
+        return
+    console = Console()
+    _configure_logging(RunPaths(rd).controller_log, console)
+    ctl = Controller(
+        rec, recipe, run_dir=rd, resume=resume, latest_link=LATEST_LINK,
+        options=ControllerOptions(grace_s=grace),
+    )
+    try:
+        ctl.setup()
+    except RunDirError as e:
+        fail(str(e))
+    ctl.install_signal_handlers()
+    loop = threading.Thread(target=ctl.serve_forever, name="reconcile")
+    loop.start()
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        while not ctl.wait(0.5):
+            live.update(render_progress(document(ctl.status()), rec))
+        live.update(render_progress(document(ctl.status()), rec))
+    loop.join()
+    console.line()
+    console.print(f"run {rec.run.name} ended: {ctl.stop_reason}")
+    curve = rd / "reward_curve.png"
+    if curve.is_file():
+        console.print(f"reward curve: {curve}")
+
+
+def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
+    from jetctl.controller.rundir import RunPaths, read_json
+    from jetctl.status import controller_alive
+
+    paths = RunPaths(run_dir)
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "jetctl.cli.main", "controller", str(recipe.resolve()),
+            "--run-dir", str(run_dir), "--grace", str(grace)]
+    if resume:
+        argv.append("--resume")
+    with open(paths.controller_log, "ab") as log:
+        offset = log.tell()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    console = Console()
+    deadline = time.monotonic() + DETACH_TIMEOUT_S
+    with console.status("starting the controller…"):
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None:
+                tail = _log_tail(paths.controller_log, offset)
+                fail(tail or f"the controller exited with code {code}; see {paths.controller_log}")
+            info = read_json(paths.run_json) or {}
+            ctl = info.get("controller") or {}
+            if ctl.get("pid") == proc.pid and info.get("state") == "running" and controller_alive(info):
+                break
+            time.sleep(0.2)
+        else:
+            fail(f"the controller did not come up within {DETACH_TIMEOUT_S:.0f}s; see {paths.controller_log}")
+    console.print(f"run started in the background (controller pid {proc.pid}), dir {run_dir}")
+    console.print(f"  watch: jetctl status --run-dir {run_dir}")
+    console.print(f"  stop:  jetctl down --run-dir {run_dir}")
+    console.print(f"  log:   {paths.controller_log}")
+
+
+def _log_tail(path: Path, offset: int, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    tail = [ln for ln in text.strip().splitlines() if ln.strip()][-lines:]
+    # the child printed "error: ..." through `fail`; don't repeat the prefix
+    return "\n".join(tail).removeprefix("error: ")
+
+
+def controller(
+    recipe: Annotated[Path, typer.Argument()],
+    run_dir: Annotated[Path, typer.Option("--run-dir")],
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+    grace: Annotated[float, typer.Option("--grace")] = 30.0,
+) -> None:
+    """The background controller of `jetctl up --detach` (logs to stderr = logs/controller.log)."""
+    from jetctl.controller.controller import Controller, ControllerOptions
+    from jetctl.controller.rundir import RunDirError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rec = load_recipe_or_fail(recipe)
+    ctl = Controller(
+        rec, recipe, run_dir=run_dir, resume=resume, latest_link=LATEST_LINK,
+        options=ControllerOptions(grace_s=grace),
+    )
+    try:
+        ctl.setup()
+    except RunDirError as e:
+        fail(str(e))
+    ctl.install_signal_handlers()
+    ctl.serve_forever()
+
+
+def down(
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Default: runs/latest.")] = None,
+    grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
+) -> None:
+    """Stop a run: drain clients, then servers, and wait until the controller exits."""
+    import grpc
+
+    from jetctl.controller.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
+    from jetctl.controller.service import call_control
+    from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.status import controller_alive
+
+    console = Console()
+    try:
+        rd = find_run_dir(run_dir)
+        info = read_run_json(rd)
+        run = info.get("run", rd.name)
+        if not controller_alive(info):
+            stopped = stop_orphans(rd, grace)
+            console.print(f"the controller of run {run} was not running; stopped {stopped} node(s)")
+            return
+        ctl = info.get("controller") or {}
+        token = read_token_for(rd)
+        call_control(str(ctl["endpoint"]), token, "Down", cpb.DownRequest(grace_s=grace))
+    except RunDirError as e:
+        fail(str(e))
+    except grpc.RpcError as e:
+        fail(f"the controller did not take the request: {e.code().name}: {e.details()}")
+    # clients drain, then servers: two phases of up to `grace` each, plus slack
+    deadline = time.monotonic() + 2 * grace + 30
+    with console.status(f"draining run {run}: clients, then servers…"):
+        while controller_alive(info) and time.monotonic() < deadline:
+            time.sleep(0.25)
+    if controller_alive(info):
+        fail(f"the controller (pid {info['controller']['pid']}) is still draining; see {rd}/logs/controller.log")
+    console.print(f"run {run} stopped")
+
+
+def stop_orphans(run_dir: Path, grace: float) -> int:
+    """Stop a dead controller's nodes from their pid files (clients first), then write the
+    reward curve and mark run.json finished. Returns how many nodes were running."""
+    from jetctl.controller.rundir import RunPaths, read_json, write_json_atomic
+    from jetctl.controller.runtimes.process import ProcessRuntime
+    from jetctl.plot import write_reward_curve
+
+    runtime = ProcessRuntime(run_dir)
+    handles = runtime.list()
+    for kind in ("client", "server"):
+        batch = [h for h in handles if h.spec.kind == kind]
+        runtime.stop_all(batch, grace)
+        for h in batch:
+            runtime.release(h)
+    write_reward_curve(run_dir)
+    paths = RunPaths(run_dir)
+    info = read_json(paths.run_json)
+    if info is not None:
+        info["state"] = "finished"
+        write_json_atomic(paths.run_json, info)
+    return len(handles)
 
 
 def register(app: typer.Typer) -> None:
-    """Registers nothing yet."""
+    app.command("up")(up)
+    app.command("down")(down)
+    app.command("controller", hidden=True)(controller)
+
+
+__all__ = ["load_recipe_or_fail", "register", "stop_orphans"]

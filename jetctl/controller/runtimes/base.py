@@ -1,0 +1,116 @@
+"""The runtime interface: how the controller starts, watches, stops and lists nodes.
+
+The controller only talks to `Runtime`; `process` (subprocesses on this host) implements it
+here, `docker` (one container per client node) comes next. A node is described by a
+`NodeSpec` and known afterwards by a `NodeHandle`, which carries what a later controller
+needs to adopt it again (`list`). Left out: resource limits and placement (docker's job).
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+NodeKind = Literal["server", "client"]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What to run for one node: a server (one per model) or a client node (N per task)."""
+
+    name: str  # server-<model> | <task>-<index>; unique in a run, safe as a file name
+    kind: NodeKind
+    argv: list[str]
+    log_path: Path
+    model: str = ""
+    task: str = ""
+    index: int = 0
+    revision: str = "r0"
+    env: dict[str, str] = field(default_factory=dict)  # added to the controller's environment
+    cwd: Path | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class NodeHandle:
+    """A started (or adopted) node. `pid` for processes, `container_id` for containers."""
+
+    spec: NodeSpec
+    pid: int | None = None
+    container_id: str | None = None
+    started_at: float = field(default_factory=time.time)
+    adopted: bool = False  # found by `list`, not started by this runtime object
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What `poll` saw: running, or exited with a code (None when the code is unknowable,
+    e.g. an adopted process that is not our child)."""
+
+    running: bool
+    exit_code: int | None = None
+
+
+class Runtime(ABC):
+    """Starts, watches, stops and lists the nodes of one run."""
+
+    name: str = "runtime"
+
+    @abstractmethod
+    def start(self, spec: NodeSpec) -> NodeHandle:
+        """Start the node and record it so that `list` finds it again."""
+
+    @abstractmethod
+    def poll(self, handle: NodeHandle) -> NodeState:
+        """Whether the node still runs; never blocks."""
+
+    @abstractmethod
+    def terminate(self, handle: NodeHandle) -> None:
+        """Ask the node to drain and exit (SIGTERM); returns at once."""
+
+    @abstractmethod
+    def kill(self, handle: NodeHandle) -> None:
+        """End the node and everything it started now (SIGKILL)."""
+
+    @abstractmethod
+    def list(self, run: str) -> builtins.list[NodeHandle]:
+        """The run's recorded nodes that are still running, to adopt after a controller restart."""
+
+    @abstractmethod
+    def release(self, handle: NodeHandle) -> None:
+        """Forget an exited node (its pid file, its stopped container)."""
+
+    def stop(self, handle: NodeHandle, grace_s: float) -> NodeState:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL."""
+        return self.stop_all([handle], grace_s)[0]
+
+    def stop_all(
+        self, handles: Sequence[NodeHandle], grace_s: float
+    ) -> builtins.list[NodeState]:
+        """Drain several nodes at once: SIGTERM to all, one shared grace, SIGKILL the rest."""
+        for h in handles:
+            if self.poll(h).running:
+                self.terminate(h)
+        deadline = time.monotonic() + max(grace_s, 0.0)
+        states = [self.poll(h) for h in handles]
+        while any(s.running for s in states) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            states = [self.poll(h) for h in handles]
+        for i, h in enumerate(handles):
+            if states[i].running:
+                self.kill(h)
+                states[i] = self._wait_gone(h)
+        return states
+
+    def _wait_gone(self, handle: NodeHandle, timeout_s: float = 5.0) -> NodeState:
+        deadline = time.monotonic() + timeout_s
+        state = self.poll(handle)
+        while state.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = self.poll(handle)
+        return state

@@ -1,0 +1,145 @@
+"""gRPC glue of the controller: the `Control` servicer, its token check, and the calls the
+controller makes to the swarm servers (health, `Status`).
+
+The servicer is thin: it hands each request to the `Controller`. `SwapClients` and `Scale`
+answer UNIMPLEMENTED until rolling swaps land.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from concurrent import futures
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jetctl import auth
+from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.proto._gen import control_pb2_grpc as cgrpc
+from jetctl.proto._gen import swarm_pb2 as spb
+from jetctl.proto._gen import swarm_pb2_grpc as sgrpc
+
+if TYPE_CHECKING:
+    from jetctl.controller.controller import Controller
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without `authorization: Bearer <run token>` (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+            if key == auth.METADATA_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+class ControlServicer(cgrpc.ControlServicer):
+    def __init__(self, controller: Controller) -> None:
+        self._c = controller
+
+    def Status(self, request: cpb.RunStatusRequest, context: grpc.ServicerContext) -> cpb.RunStatusReply:
+        return self._c.status()
+
+    def Down(self, request: cpb.DownRequest, context: grpc.ServicerContext) -> cpb.DownReply:
+        grace = request.grace_s if request.grace_s > 0 else None
+        self._c.request_stop("down", grace_s=grace)
+        return cpb.DownReply(ok=True, message="draining: clients first, then servers")
+
+    def SwapClients(self, request: cpb.SwapRequest, context: grpc.ServicerContext) -> cpb.SwapReply:
+        msg = "swap-clients is not implemented by this controller yet (rolling swaps come next)"
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details(msg)
+        return cpb.SwapReply(ok=False, message=msg)
+
+    def Scale(self, request: cpb.ScaleRequest, context: grpc.ServicerContext) -> cpb.ScaleReply:
+        msg = (
+            "scale is not implemented by this controller yet: edit tasks.<task>.clients "
+            "and `jetctl up --resume`"
+        )
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details(msg)
+        return cpb.ScaleReply(ok=False, message=msg)
+
+
+def serve_control(controller: Controller, token: str, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+    """Start the Control service on a free port of `host`; returns (server, port)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
+        interceptors=[TokenInterceptor(token)],
+    )
+    cgrpc.add_ControlServicer_to_server(ControlServicer(controller), server)
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    return server, port
+
+
+class ServerProbe:
+    """Health and `Status` calls to one swarm server, on one cached channel."""
+
+    def __init__(self, endpoint: str, token: str, timeout_s: float = 1.0) -> None:
+        self.endpoint = endpoint
+        self._token = token
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(endpoint)
+
+    def healthy(self) -> bool:
+        """gRPC health says SERVING (health needs no token)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def status(self) -> dict[str, Any] | None:
+        """The server's `Status` reply as a JSON-ready dict, or None when it does not answer."""
+        stub = sgrpc.SwarmStub(self._channel)
+        try:
+            reply = stub.Status(
+                spb.StatusRequest(), metadata=auth.bearer(self._token), timeout=self._timeout_s
+            )
+        except grpc.RpcError:
+            return None
+        return status_to_dict(reply)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def status_to_dict(reply: spb.StatusReply) -> dict[str, Any]:
+    """MessageToDict, every field present, proto field names (int64 stays a JSON string)."""
+    data: dict[str, Any] = MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return data
+
+
+def call_control(
+    endpoint: str, token: str, method: str, request: Any, timeout_s: float = 5.0
+) -> Any:
+    """One Control RPC with the run token; raises grpc.RpcError."""
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = cgrpc.ControlStub(channel)
+        return getattr(stub, method)(request, metadata=auth.bearer(token), timeout=timeout_s)
+
+
+def dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, sort_keys=True)

@@ -1,0 +1,280 @@
+"""The live view of a run: ask its controller (`Control.Status`) and show servers and clients.
+
+`fetch_status(run_dir)` calls the controller found through run.json; `document(reply)` turns
+the reply into the JSON document `jetctl status --once --json` prints; `render_status(doc)`
+and `render_progress(doc, recipe)` draw it with rich (the second is the `jetctl up` view).
+A dead controller is a `RunDirError` with one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich import box
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from jetctl.controller.rundir import (
+    RunDirError,
+    pid_alive,
+    read_run_json,
+    read_token_for,
+)
+from jetctl.controller.service import call_control
+from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.recipe import Recipe
+
+
+class RunFinished(RunDirError):
+    """The run ended normally; its controller has exited."""
+
+
+def controller_alive(info: dict[str, Any]) -> bool:
+    ctl = info.get("controller") or {}
+    return pid_alive(int(ctl.get("pid") or 0), float(ctl.get("create_time") or 0.0))
+
+
+def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:
+    """The controller's `Status` reply; RunDirError when the controller is gone or silent."""
+    info = read_run_json(run_dir)
+    run = info.get("run", run_dir.name)
+    ctl = info.get("controller") or {}
+    if not controller_alive(info):
+        if info.get("state") == "finished":
+            raise RunFinished(
+                f"run {run} has finished; its reward curve is in {run_dir}/reward_curve.png"
+            )
+        raise RunDirError(
+            f"the controller of run {run} (pid {ctl.get('pid')}) is not running: "
+            f"`jetctl up {info.get('recipe', 'RECIPE')} --resume` adopts its nodes again, "
+            f"`jetctl down --run-dir {run_dir}` stops them"
+        )
+    token = read_token_for(run_dir)
+    try:
+        reply: cpb.RunStatusReply = call_control(
+            str(ctl.get("endpoint")), token, "Status", cpb.RunStatusRequest(), timeout_s
+        )
+    except grpc.RpcError as e:
+        raise RunDirError(
+            f"the controller of run {run} at {ctl.get('endpoint')} did not answer: "
+            f"{e.code().name}: {e.details()}"
+        ) from None
+    return reply
+
+
+# -- the JSON document ---------------------------------------------------------------------
+
+
+def _figures(raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _int(figures: dict[str, Any], key: str) -> int | None:
+    # int64 fields arrive as JSON strings (proto3 JSON mapping)
+    return int(figures[key]) if key in figures else None
+
+
+def _float(figures: dict[str, Any], key: str) -> float | None:
+    return float(figures[key]) if key in figures else None
+
+
+def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
+    f = _figures(node.json)
+    return {
+        "name": node.name,
+        "model": node.model,
+        "state": node.state,
+        "pid": node.pid or None,
+        "restarts": node.restarts,
+        "endpoint": node.endpoint,
+        "version": _int(f, "model_version"),
+        "buffer_depth": _int(f, "buffer_groups"),
+        "accepted": _int(f, "accepted_trajectories"),
+        "accepted_groups": _int(f, "accepted_groups"),
+        "rejected": {k: int(v) for k, v in (f.get("rejected") or {}).items()},
+        "trained": _int(f, "trained_trajectories"),
+        "trained_groups": _int(f, "trained_groups"),
+        "reward_mean": _float(f, "reward_mean_recent"),
+        "trajectories_per_second": _float(f, "trajectories_per_second"),
+        "tokens_generated": _int(f, "tokens_generated"),
+        "last_checkpoint_version": _int(f, "last_checkpoint_version"),
+        "last_step": f.get("last_step") or {},
+        "received_by_task": {k: int(v) for k, v in (f.get("received_by_task") or {}).items()},
+    }
+
+
+def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
+    f = _figures(node.json)
+    # the node's own state (draining, backoff, ...) says more while its process runs
+    own_state = f.get("state")
+    state = own_state if node.state == "running" and own_state else node.state
+    return {
+        "name": node.name,
+        "task": node.task,
+        "model": node.model,
+        "state": state,
+        "process_state": node.state,
+        "pid": node.pid or None,
+        "container_id": node.container_id or None,
+        "restarts": node.restarts,
+        "revision": node.revision,
+        "rollouts_done": f.get("rollouts_done"),
+        "rollouts_failed": f.get("rollouts_failed"),
+        "rollouts_timeout": f.get("rollouts_timeout"),
+        "groups_spooled": f.get("groups_spooled"),
+        "spool_depth": f.get("spool_depth"),
+        "server_reachable": f.get("server_reachable"),
+        "acks": f.get("acks") or {},
+        "dropped": f.get("dropped") or {},
+        "updated_at": f.get("updated_at"),
+    }
+
+
+def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
+    """The `jetctl status --once --json` document."""
+    return {
+        "run": reply.run,
+        "run_dir": reply.run_dir,
+        "state": reply.state,
+        "uptime_s": round(reply.uptime_s, 3),
+        "servers": [server_entry(n) for n in reply.nodes if n.kind == "server"],
+        "clients": [client_entry(n) for n in reply.nodes if n.kind == "client"],
+    }
+
+
+# -- rendering -----------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if digits else f"{v:.3g}"
+    return str(v)
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+_STATE_STYLE = {
+    "running": "green",
+    "starting": "yellow",
+    "pending": "yellow",
+    "restarting": "red",
+    "backoff": "red",
+    "draining": "magenta",
+    "exited": "dim",
+}
+
+
+def _state(s: str) -> Text:
+    return Text(s, style=_STATE_STYLE.get(s, ""))
+
+
+def header(doc: dict[str, Any]) -> Text:
+    t = Text()
+    t.append(f"run {doc['run']}", style="bold")
+    t.append("  ")
+    t.append(doc["state"], style=_STATE_STYLE.get(doc["state"], "cyan"))
+    t.append(f"  up {_duration(doc['uptime_s'])}  {doc['run_dir']}", style="dim")
+    return t
+
+
+def servers_table(doc: dict[str, Any]) -> Table:
+    t = Table(title="servers", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+              show_edge=False, pad_edge=False)
+    # short headers: ten columns must fit an 80-column terminal
+    for col in ("model", "state", "ver", "buf", "acc", "rejected", "trained", "reward",
+                "traj/s", "rst"):
+        t.add_column(col, justify="left" if col in ("model", "state", "rejected") else "right",
+                     no_wrap=col in ("model", "state"))
+    for s in doc["servers"]:
+        rejected = ", ".join(f"{k}={v}" for k, v in sorted(s["rejected"].items())) or "-"
+        t.add_row(
+            s["model"], _state(s["state"]), _fmt(s["version"]), _fmt(s["buffer_depth"]),
+            _fmt(s["accepted"]), rejected, _fmt(s["trained"]), _fmt(s["reward_mean"], 3),
+            _fmt(s["trajectories_per_second"], 2), str(s["restarts"]),
+        )
+    return t
+
+
+def clients_table(doc: dict[str, Any]) -> Table:
+    t = Table(title="clients", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+              show_edge=False, pad_edge=False)
+    for col in ("node", "task", "state", "rev", "rollouts", "spool", "server", "rst"):
+        t.add_column(col, justify="right" if col in ("rollouts", "spool", "rst") else "left",
+                     no_wrap=col in ("node", "state"))
+    for c in doc["clients"]:
+        reach = c["server_reachable"]
+        server = Text("-") if reach is None else (
+            Text("ok", style="green") if reach else Text("unreachable", style="red")
+        )
+        t.add_row(
+            c["name"], c["task"], _state(c["state"]), c["revision"], _fmt(c["rollouts_done"]),
+            _fmt(c["spool_depth"]), server, str(c["restarts"]),
+        )
+    return t
+
+
+def render_status(doc: dict[str, Any]) -> RenderableType:
+    """The `jetctl status` view: a header, the servers table, the clients table."""
+    return Group(header(doc), Text(""), servers_table(doc), Text(""), clients_table(doc))
+
+
+def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
+    """The `jetctl up` view: per model version / reward / traj/s / buffer, per task clients up
+    and rollouts done, with bars toward train.max_steps and run.duration_s."""
+    parts: list[RenderableType] = [header(doc)]
+    duration = recipe.run.duration_s
+    if duration:
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(
+            Text("time   ", style="dim"),
+            ProgressBar(total=duration, completed=min(doc["uptime_s"], duration), width=30),
+            Text(f"{_duration(doc['uptime_s'])} / {_duration(duration)}", style="dim"),
+        )
+        parts.append(bar)
+    models = Table(title="models", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("model", "state", "version", "", "reward", "traj/s", "buffer", "restarts"):
+        models.add_column(col, justify="left" if col in ("model", "state", "") else "right")
+    for s in doc["servers"]:
+        max_steps = recipe.models[s["model"]].train.max_steps if s["model"] in recipe.models else None
+        version = s["version"] or 0
+        progress: RenderableType = (
+            ProgressBar(total=max_steps, completed=min(version, max_steps), width=20)
+            if max_steps else Text("")
+        )
+        models.add_row(
+            s["model"], _state(s["state"]),
+            f"{_fmt(s['version'])}" + (f"/{max_steps}" if max_steps else ""), progress,
+            _fmt(s["reward_mean"], 3), _fmt(s["trajectories_per_second"], 2),
+            _fmt(s["buffer_depth"]), str(s["restarts"]),
+        )
+    parts.append(models)
+    tasks = Table(title="tasks", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("task", "model", "clients up", "rollouts done", "failed", "restarts"):
+        tasks.add_column(col, justify="left" if col in ("task", "model") else "right")
+    for task, tcfg in recipe.tasks.items():
+        nodes = [c for c in doc["clients"] if c["task"] == task]
+        up = sum(1 for c in nodes if c["process_state"] == "running")
+        tasks.add_row(
+            task, tcfg.model, f"{up}/{tcfg.clients}",
+            str(sum(int(c["rollouts_done"] or 0) for c in nodes)),
+            str(sum(int(c["rollouts_failed"] or 0) + int(c["rollouts_timeout"] or 0) for c in nodes)),
+            str(sum(c["restarts"] for c in nodes)),
+        )
+    parts.append(tasks)
+    return Group(*parts)

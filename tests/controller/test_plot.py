@@ -1,0 +1,46 @@
+"""The reward curve from a synthetic steps.jsonl."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from jetctl.plot import moving_average, write_reward_curve
+
+pytestmark = pytest.mark.unit
+
+
+def test_moving_average_is_a_trailing_mean() -> None:
+    assert moving_average([1.0, 2.0, 3.0, 4.0], window=2) == [1.0, 1.5, 2.5, 3.5]
+
+
+def test_reward_curve_csv_and_png(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    with open(metrics / "policy.steps.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": step, "time": 100.0 + step, "reward/mean": step / 12,
+                                "loss": 0.1}) + "\n" for step in range(1, 13))
+        f.write('{"step": 13, "reward/me')  # a line still being written
+    with open(metrics / "planner.steps.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "time": 1.0, "reward/mean": -1.0}) + "\n")
+        f.write(json.dumps({"step": 2, "time": 2.0, "loss": 0.3}) + "\n")  # no reward: skipped
+
+    out = write_reward_curve(tmp_path, window=4)
+    assert out is not None
+    with open(tmp_path / "reward_curve.csv") as f:
+        rows = list(csv.DictReader(f))
+    policy = [r for r in rows if r["model"] == "policy"]
+    assert [int(r["step"]) for r in policy] == list(range(1, 13))
+    # step 12: mean of steps 9..12 = (9+10+11+12)/4/12
+    assert float(policy[-1]["reward_mean_ma4"]) == pytest.approx(10.5 / 12, abs=1e-5)
+    assert [r["reward_mean"] for r in rows if r["model"] == "planner"] == ["-1"]
+    png = (tmp_path / "reward_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_no_steps_writes_nothing(tmp_path: Path) -> None:
+    assert write_reward_curve(tmp_path) is None
+    assert not (tmp_path / "reward_curve.csv").exists()
