@@ -1,9 +1,107 @@
-"""`jetctl client` (placeholder until its owner fills it in)."""
+"""`jetctl client`: run one client node of a task (normally started by the controller).
+
+    jetctl client --recipe recipes/digits.yaml --task digits --index 0 --run-dir runs/x
+
+The token comes from `$JETCTL_TOKEN` or `<run_dir>/token`; the server endpoint from
+`<run_dir>/servers/<model>.json`. SIGTERM drains (finish rollouts, flush the spool) and
+exits 0. The node's name is `<task>-<index>` (or `--name`); it names the status file
+`<run_dir>/nodes/<name>.json`, the spool `<run_dir>/spool/<name>.sqlite`.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+from jetctl.cli.errors import fail
+
+if TYPE_CHECKING:
+    from jetctl.recipe import Recipe
+
+
+def default_node_name(task: str, index: int) -> str:
+    """`<task>-<index>`: the name the controller expects (`client_node_name`)."""
+    return f"{task}-{index}"
 
 
 def register(app: typer.Typer) -> None:
-    """Registers nothing yet."""
+    @app.command("client")
+    def client(
+        recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+        task: Annotated[str, typer.Option("--task", help="Key under tasks: in the recipe.")],
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory.")],
+        index: Annotated[
+            int, typer.Option("--index", help="Node index within the task (seeds its task stream).")
+        ] = 0,
+        revision: Annotated[
+            str | None, typer.Option("--revision", help="Client revision tag.")
+        ] = None,
+        agent: Annotated[
+            str | None,
+            typer.Option("--agent", help="module:function overriding the recipe's agent."),
+        ] = None,
+        max_groups: Annotated[
+            int | None, typer.Option("--max-groups", help="Stop after this many groups.")
+        ] = None,
+        name: Annotated[
+            str | None, typer.Option("--name", help="Node name (default <task>-<index>).")
+        ] = None,
+        drain_grace_s: Annotated[
+            float, typer.Option("--drain-grace-s", help="Seconds to flush the spool on drain.")
+        ] = 30.0,
+        metrics_port: Annotated[
+            int, typer.Option("--metrics-port", help="Port for /metrics (0: free port).")
+        ] = 0,
+        log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+    ) -> None:
+        """Run a client node: rollouts of the task's agent, pushed to the model's server."""
+        import asyncio
+        import logging
+
+        from jetctl.auth import read_token
+
+        logging.basicConfig(
+            level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        recipe_obj = _load_recipe(recipe)
+        if task not in recipe_obj.tasks:
+            fail(
+                f"task {task!r} is not in {recipe} (tasks: {', '.join(sorted(recipe_obj.tasks)) or 'none'})"
+            )
+        if max_groups is not None and max_groups < 1:
+            fail(f"--max-groups must be >= 1, got {max_groups}")
+        token = os.environ.get("JETCTL_TOKEN")
+        if not token:
+            token_path = run_dir / "token"
+            if not token_path.is_file():
+                fail(f"no token: set JETCTL_TOKEN or create {token_path} (jetctl up writes it)")
+            token = read_token(token_path)
+
+        from jetctl.client.node import ClientNode, NodeConfig
+
+        config = NodeConfig(
+            name=name or default_node_name(task, index),
+            task_name=task,
+            task=recipe_obj.tasks[task],
+            run_dir=run_dir,
+            token=token,
+            index=index,
+            revision=revision or "default",
+            agent=agent,
+            max_groups=max_groups,
+            drain_grace_s=drain_grace_s,
+            metrics_port=metrics_port,
+        )
+        raise typer.Exit(asyncio.run(ClientNode(config).run()))
+
+
+def _load_recipe(path: Path) -> Recipe:
+    from jetctl.recipe import RecipeError, load_recipe
+
+    try:
+        return load_recipe(path)
+    except RecipeError as e:
+        fail(str(e))

@@ -144,6 +144,8 @@ async def serve(opts: ServerOptions) -> int:
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            # clients ping every 10 s, also when idle; allow it
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_ping_strikes", 0),
         ],

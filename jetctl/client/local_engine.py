@@ -1,0 +1,172 @@
+"""`inference: local`: generate on the client node with weights pulled from the server.
+
+The node loads the base model (`jetctl.models.load_model(model_source)`), then between
+rollouts asks the server for newer weights (`PullWeights(have_version)`); the transport
+checks size and sha256. A `full` payload is a safetensors state dict loaded into the model;
+a `lora` payload is a peft adapter (safetensors + `adapter_config_json`) set on a peft
+wrapper of the base model. Generation is Hugging Face `generate` (sampling with the
+request's temperature/top_p) on one worker thread; the returned logprobs are the model's
+log-softmax at temperature 1 of each sampled token (what the trainer recomputes), and the
+version is the one whose weights produced the tokens.
+
+Left out: batching concurrent requests (they run one at a time), GPU placement beyond the
+`device` argument, and quantized weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from jetctl.client.proxy import BackendError, GenerateParams, GenerateResult
+from jetctl.client.transport import SwarmTransport, Weights, WeightsError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class LocalEngine:
+    """A `Backend` that runs the model in this process."""
+
+    def __init__(
+        self, model: Any, transport: SwarmTransport | None, version: int, device: str = "cpu"
+    ) -> None:
+        self.model = model
+        self.transport = transport
+        self.version = version
+        self.device = device
+        self._peft_model: Any = None
+        self._lock = threading.Lock()  # generation vs. weight updates
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
+
+    @classmethod
+    async def start(
+        cls, model_source: str, transport: SwarmTransport, server_version: int, device: str = "cpu"
+    ) -> LocalEngine:
+        """Load the base model (version 0 weights), then pull the server's current version."""
+        from jetctl.models import load_model
+
+        loop = asyncio.get_running_loop()
+        model, _tokenizer = await loop.run_in_executor(
+            None, lambda: load_model(model_source, device=device, progress=False)
+        )
+        engine = cls(model, transport, version=0, device=device)
+        if server_version != 0:
+            await engine.maybe_update()
+        return engine
+
+    # ------------------------------------------------------------------ weights
+
+    async def maybe_update(self) -> bool:
+        """Pull and apply newer weights if the server has them; True when applied."""
+        if self.transport is None:
+            return False
+        try:
+            weights = await self.transport.pull_weights(self.version)
+        except WeightsError as e:
+            log.warning("ignoring a bad weights payload: %s", e)
+            return False
+        except grpc.aio.AioRpcError as e:  # keep generating with the weights we have
+            log.warning("PullWeights failed (%s); keeping version %d", e.code().name, self.version)
+            return False
+        if weights is None or weights.version == self.version:
+            return False
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.apply, weights)
+        return True
+
+    def apply(self, weights: Weights) -> None:
+        """Load a verified payload into the model (under the generation lock)."""
+        from safetensors.torch import load as load_safetensors
+
+        if weights.format not in ("", "safetensors"):
+            raise WeightsError(f"weights format {weights.format!r} is not safetensors")
+        state = load_safetensors(weights.data)
+        with self._lock:
+            if weights.kind == "lora":
+                self._apply_lora(state, weights.adapter_config_json)
+            elif weights.kind in ("", "full"):
+                base = self._base()
+                result = base.load_state_dict(state, strict=False)
+                if result.unexpected_keys:
+                    raise WeightsError(
+                        f"full weights have unknown keys: {result.unexpected_keys[:5]}"
+                    )
+            else:
+                raise WeightsError(f"weights kind {weights.kind!r} is not full or lora")
+            self.version = weights.version
+        log.info("local engine now at version %d (%s)", weights.version, weights.kind)
+
+    def _base(self) -> Any:
+        return self._peft_model.get_base_model() if self._peft_model is not None else self.model
+
+    def _apply_lora(self, state: dict[str, torch.Tensor], config_json: str) -> None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        if self._peft_model is None:
+            raw = json.loads(config_json) if config_json else {}
+            fields = set(LoraConfig.__dataclass_fields__)
+            config = LoraConfig(
+                **{k: v for k, v in raw.items() if k in fields and k != "peft_type"}
+            )
+            self._peft_model = get_peft_model(self.model, config)
+            self._peft_model.eval()
+        result = set_peft_model_state_dict(self._peft_model, state)
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if unexpected:
+            raise WeightsError(f"adapter has unknown keys: {unexpected[:5]}")
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, params: GenerateParams) -> GenerateResult:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self._generate, params)
+        except RuntimeError as e:
+            raise BackendError(f"local generation failed: {e}", status=500) from e
+
+    def _generate(self, params: GenerateParams) -> GenerateResult:
+        import torch
+
+        with self._lock:
+            model = self._peft_model if self._peft_model is not None else self.model
+            version = self.version
+            input_ids = torch.tensor(
+                [params.prompt_ids], dtype=torch.long, device=self.device
+            )  # [1, T]
+            greedy = params.temperature <= 0
+            generator_kwargs: dict[str, Any] = {"do_sample": not greedy}
+            if not greedy:
+                generator_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            if params.seed:
+                torch.manual_seed(params.seed)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=params.max_tokens,
+                    eos_token_id=params.stop_token_ids or None,
+                    pad_token_id=(params.stop_token_ids or [0])[0],
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                    **generator_kwargs,
+                )
+            ids = out.sequences[0, input_ids.shape[1] :].tolist()  # [N]
+            logits = torch.stack(out.logits, dim=1)[0].float()  # [N, V]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = logprobs[torch.arange(len(ids)), torch.tensor(ids)].tolist()
+        finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
+        return GenerateResult(
+            completion_ids=ids,
+            completion_logprobs=chosen,
+            model_version=version,
+            finish_reason=finish,
+        )

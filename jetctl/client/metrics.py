@@ -1,0 +1,66 @@
+"""Prometheus metrics of a client node, in a registry of its own (names: CONVENTIONS.md).
+
+    metrics = ClientMetrics()
+    port = metrics.serve("127.0.0.1", 0)   # http://127.0.0.1:port/metrics
+
+Left out: per-trajectory labels (unbounded cardinality), push gateways.
+"""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+ROLLOUT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+class ClientMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rollouts = Counter(
+            "jetctl_client_rollouts_total",
+            "Rollouts finished, by task and outcome (ok | failed | timeout).",
+            ["task", "outcome"],
+            registry=self.registry,
+        )
+        self.rollout_duration = Histogram(
+            "jetctl_client_rollout_duration_seconds",
+            "Wall time of one rollout, process start to result.",
+            buckets=ROLLOUT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.spool_groups = Gauge(
+            "jetctl_client_spool_groups",
+            "Groups in the spool waiting for an ack.",
+            registry=self.registry,
+        )
+        self.spool_oldest_age = Gauge(
+            "jetctl_client_spool_oldest_age_seconds",
+            "Age of the oldest un-acked group in the spool.",
+            registry=self.registry,
+        )
+        self.server_reachable = Gauge(
+            "jetctl_client_server_reachable",
+            "1 when the last call to the model's server got an answer, else 0.",
+            registry=self.registry,
+        )
+        self.dropped = Counter(
+            "jetctl_client_trajectories_dropped_total",
+            "Trajectories the node gave up on, by reason (timeout | failed | dead-letter).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._httpd: WSGIServer | None = None
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve /metrics on a background thread; returns the bound port."""
+        httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = httpd
+        return int(httpd.server_address[1])
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

@@ -1,0 +1,195 @@
+"""One rollout in its own killable process: open the env session, run the agent, score it.
+
+The node starts each rollout through `multiprocessing`'s *forkserver* (the agent's and env's
+modules and `openai` are preloaded there, so each start is a cheap fork of a warm process,
+with none of the node's threads, sockets or event loop). The child makes itself a process
+group leader (`os.setpgrp()`), so on timeout `os.killpg(pid, SIGKILL)` also kills whatever
+the agent started (browsers, shells, sandboxes). The same group is killed after a normal
+finish, so nothing an agent leaves behind outlives its rollout (processes that moved to a
+session of their own with `setsid` escape this; envs should close what they open).
+
+The child sends one `RolloutResult` back over a pipe: reward, status (ok | failed), error
+text with traceback, timings. The parent turns a timeout into status `timeout` and a child
+that died without a result into `failed`.
+
+This module stays light (stdlib + jetctl.env): it is imported by every rollout process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetctl.env import LLM, Task
+
+MAX_ERROR_CHARS = 16_000  # keeps the result well under a pipe buffer's size
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Everything the child needs (pickled to it)."""
+
+    env: str  # module:function making the Env
+    env_args: dict[str, Any]
+    agent: str  # module:function, sync or async
+    task: Task
+    base_url: str  # this rollout's proxy URL
+    model: str
+
+
+@dataclass
+class RolloutResult:
+    status: str  # ok | failed | timeout
+    reward: float = 0.0
+    error: str = ""
+    error_type: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_object(spec: str) -> Any:
+    """Import `module:attr` (attr may be dotted)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r} is not of the form module:function")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _call_agent(agent: Callable[..., Any], task: Task, llm: LLM, session: Any) -> None:
+    if inspect.iscoroutinefunction(agent):
+        asyncio.run(agent(task, llm, session))
+        return
+    out = agent(task, llm, session)
+    if inspect.iscoroutine(out):
+        asyncio.run(out)
+
+
+def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -> None:
+    """Entry point of the rollout process."""
+    os.setpgrp()
+    os.environ["JET_OPENAI_BASE_URL"] = spec.base_url
+    os.environ["OPENAI_BASE_URL"] = spec.base_url
+    os.environ.setdefault("OPENAI_API_KEY", "jetctl")
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    try:
+        make_env = load_object(spec.env)
+        agent = load_object(spec.agent)
+        env = make_env(**spec.env_args)
+        session = env.open(spec.task)
+        timings["open_s"] = time.monotonic() - t0
+        try:
+            t1 = time.monotonic()
+            _call_agent(agent, spec.task, LLM(base_url=spec.base_url, model=spec.model), session)
+            timings["agent_s"] = time.monotonic() - t1
+            t2 = time.monotonic()
+            reward = float(session.reward())
+            timings["reward_s"] = time.monotonic() - t2
+        finally:
+            session.close()
+        result = RolloutResult(status="ok", reward=reward, timings=timings)
+    except BaseException as e:  # noqa: BLE001  # the rollout's failure is data for the parent, whatever it is
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[: MAX_ERROR_CHARS // 2] + "\n...\n" + text[-MAX_ERROR_CHARS // 2 :]
+        result = RolloutResult(
+            status="failed", error=text, error_type=type(e).__name__, timings=timings
+        )
+    conn.send(result)
+    conn.close()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the rollout's process group (its leader may already be gone)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # no such group: the child died before or right after setpgrp
+
+
+class RolloutRunner:
+    """Starts rollout processes from a forkserver and waits for them with a timeout."""
+
+    def __init__(self, preload: list[str], max_workers: int = 8) -> None:
+        self._ctx = multiprocessing.get_context("forkserver")
+        # Only takes effect if this process has not started its forkserver yet.
+        self._ctx.set_forkserver_preload(["openai", "jetctl.env", __name__, *preload])
+        # Process.start/join block briefly; keep them off the event loop.
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_workers + 2, thread_name_prefix="rollout"
+        )
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, spec: RolloutSpec, timeout_s: float) -> RolloutResult:
+        loop = asyncio.get_running_loop()
+        reader, writer = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=child_main, args=(spec, writer), name="jetctl-rollout", daemon=False
+        )
+        t0 = time.monotonic()
+        try:
+            await loop.run_in_executor(self._executor, proc.start)
+        finally:
+            writer.close()
+        assert proc.pid is not None
+        done = loop.create_future()
+
+        def wake() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(reader.fileno(), wake)
+        loop.add_reader(proc.sentinel, wake)
+        timed_out = False
+        try:
+            await asyncio.wait_for(done, timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
+        except asyncio.TimeoutError:
+            timed_out = True
+        except asyncio.CancelledError:
+            kill_group(proc.pid)
+            proc.kill()
+            raise
+        finally:
+            loop.remove_reader(reader.fileno())
+            loop.remove_reader(proc.sentinel)
+
+        result: RolloutResult | None = None
+        if not timed_out and reader.poll(0):
+            try:
+                result = reader.recv()
+            except (EOFError, OSError):
+                result = None
+        reader.close()
+        kill_group(proc.pid)
+        if proc.is_alive():
+            proc.kill()
+        await loop.run_in_executor(self._executor, proc.join, 10.0)
+        elapsed = time.monotonic() - t0
+        if timed_out:
+            result = RolloutResult(
+                status="timeout",
+                error=f"rollout exceeded rollout_timeout_s={timeout_s:g}; killed its process group",
+            )
+        elif result is None:
+            result = RolloutResult(
+                status="failed",
+                error=f"rollout process exited with code {proc.exitcode} without a result",
+                error_type="RolloutProcessDied",
+            )
+        result.timings["rollout_s"] = elapsed
+        return result

@@ -1,0 +1,240 @@
+"""The client node's durable spool: trajectory groups wait here until the server acks them.
+
+One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FULL`, so a
+`put` that returned survives `kill -9` and power loss). Three tables:
+
+* `pending`  - groups not yet acked: id, serialized `TrajectoryGroup` protobuf, trajectory
+  count, created_at, attempts, next_attempt_at. A group leaves only through `ack`.
+* `outcomes` - one row per acked group: accepted | duplicate | stale | invalid | revision,
+  with the server's reason.
+* `dropped`  - one row per trajectory the node gave up on before sending (timeout | failed |
+  dead-letter), with the error text and traceback.
+
+The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
+node's job, and `bytes` is what it reads. Used from one thread of one process; sqlite's
+own locking makes a second opener (a restarted node) safe.
+
+    spool = Spool(path)
+    spool.put(group_id, payload, n_trajectories)
+    for item in spool.due(limit=8, now=time.time()): ...
+    spool.ack(item.id, "accepted", "")   # or spool.defer(item.id, delay_s)
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision"]
+DropReason = Literal["timeout", "failed", "dead-letter"]
+OUTCOMES: tuple[str, ...] = ("accepted", "duplicate", "stale", "invalid", "revision")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pending (
+    id TEXT PRIMARY KEY,
+    payload BLOB NOT NULL,
+    n_trajectories INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pending_due ON pending (next_attempt_at);
+CREATE TABLE IF NOT EXISTS outcomes (
+    group_id TEXT PRIMARY KEY,
+    n_trajectories INTEGER NOT NULL,
+    outcome TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS dropped (
+    trajectory_id TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    error TEXT NOT NULL,
+    time REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class PendingGroup:
+    """A group that is due for (re)sending."""
+
+    id: str
+    payload: bytes
+    n_trajectories: int
+    attempts: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class SpoolCounts:
+    """Totals for the status file and metrics."""
+
+    pending_groups: int
+    pending_bytes: int
+    outcomes: dict[str, int]  # outcome -> groups
+    dropped: dict[str, int]  # reason -> trajectories
+
+
+class Spool:
+    """Durable pending groups, acked outcomes and dropped trajectories (see module docstring)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: autocommit; each write below is one explicit transaction.
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def put(
+        self, group_id: str, payload: bytes, n_trajectories: int, now: float | None = None
+    ) -> None:
+        """Store a group durably (committed before return). Re-putting an id is a no-op."""
+        t = time.time() if now is None else now
+        with self._tx():
+            self._db.execute(
+                "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
+                " next_attempt_at) VALUES (?, ?, ?, ?, 0, ?)",
+                (group_id, payload, n_trajectories, t, t),
+            )
+
+    def ack(
+        self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
+    ) -> None:
+        """The server answered for this group: record the outcome and remove it from pending."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
+        t = time.time() if now is None else now
+        with self._tx():
+            row = self._db.execute(
+                "SELECT n_trajectories FROM pending WHERE id = ?", (group_id,)
+            ).fetchone()
+            if row is None:
+                return  # already acked (a retried Submit answered twice)
+            self._db.execute(
+                "INSERT OR REPLACE INTO outcomes (group_id, n_trajectories, outcome, reason, time)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (group_id, row[0], outcome, reason, t),
+            )
+            self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
+
+    def defer(self, group_id: str, delay_s: float, now: float | None = None) -> None:
+        """A send failed: count the attempt and hold the group back for `delay_s`."""
+        t = time.time() if now is None else now
+        with self._tx():
+            self._db.execute(
+                "UPDATE pending SET attempts = attempts + 1, next_attempt_at = ? WHERE id = ?",
+                (t + delay_s, group_id),
+            )
+
+    def drop(
+        self, trajectory_id: str, reason: DropReason, error: str, now: float | None = None
+    ) -> None:
+        """Record a trajectory the node will never send (timeout, failed, dead-letter)."""
+        t = time.time() if now is None else now
+        with self._tx():
+            self._db.execute(
+                "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time)"
+                " VALUES (?, ?, ?, ?)",
+                (trajectory_id, reason, error, t),
+            )
+
+    def dead_letter(self, group_id: str, trajectory_ids: list[str], error: str) -> None:
+        """Give up on a pending group that can never be sent (e.g. larger than the server's
+        message cap): its trajectories become `dropped(dead-letter)`, in one transaction."""
+        t = time.time()
+        with self._tx():
+            for tid in trajectory_ids:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time)"
+                    " VALUES (?, 'dead-letter', ?, ?)",
+                    (tid, error, t),
+                )
+            self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
+
+    # ------------------------------------------------------------------ reads
+
+    def due(self, limit: int, now: float | None = None) -> list[PendingGroup]:
+        """Up to `limit` pending groups whose next attempt is due, oldest first."""
+        t = time.time() if now is None else now
+        rows = self._db.execute(
+            "SELECT id, payload, n_trajectories, attempts, created_at FROM pending"
+            " WHERE next_attempt_at <= ? ORDER BY next_attempt_at, created_at LIMIT ?",
+            (t, limit),
+        ).fetchall()
+        return [PendingGroup(r[0], bytes(r[1]), r[2], r[3], r[4]) for r in rows]
+
+    def next_due_at(self) -> float | None:
+        """When the earliest pending group becomes due (None when nothing is pending)."""
+        row = self._db.execute("SELECT MIN(next_attempt_at) FROM pending").fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def depth(self) -> int:
+        """Pending groups."""
+        return int(self._db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+
+    def bytes(self) -> int:
+        """Payload bytes of pending groups (the back-pressure figure)."""
+        return int(
+            self._db.execute("SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM pending").fetchone()[0]
+        )
+
+    def oldest_age_s(self, now: float | None = None) -> float:
+        """Age of the oldest pending group in seconds (0 when empty)."""
+        t = time.time() if now is None else now
+        row = self._db.execute("SELECT MIN(created_at) FROM pending").fetchone()
+        return 0.0 if row[0] is None else max(0.0, t - float(row[0]))
+
+    def counts(self) -> SpoolCounts:
+        outcomes = dict.fromkeys(OUTCOMES, 0)
+        for outcome, n in self._db.execute(
+            "SELECT outcome, COUNT(*) FROM outcomes GROUP BY outcome"
+        ):
+            outcomes[outcome] = int(n)
+        dropped = {
+            r: int(n)
+            for r, n in self._db.execute("SELECT reason, COUNT(*) FROM dropped GROUP BY reason")
+        }
+        return SpoolCounts(self.depth(), self.bytes(), outcomes, dropped)
+
+    def outcome(self, group_id: str) -> tuple[str, str] | None:
+        """(outcome, reason) of an acked group, None if not acked."""
+        row = self._db.execute(
+            "SELECT outcome, reason FROM outcomes WHERE group_id = ?", (group_id,)
+        ).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def dropped_rows(self) -> list[tuple[str, str, str]]:
+        """(trajectory_id, reason, error) of every dropped trajectory."""
+        return [
+            (r[0], r[1], r[2])
+            for r in self._db.execute("SELECT trajectory_id, reason, error FROM dropped")
+        ]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error): one durable write."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")

@@ -1,0 +1,372 @@
+"""gRPC transport from a client node to one model's swarm server (`grpc.aio`).
+
+* The endpoint comes from `<run_dir>/servers/<model>.json` and is re-read whenever a call
+  fails with UNAVAILABLE, since the controller may restart the server (same port usually,
+  another host:port possibly).
+* Every call carries the run's bearer token (`jetctl.auth.bearer`) and a deadline.
+* Keepalive pings every 10 s (5 s timeout, also without calls) detect a dead link; the
+  server must permit that ping rate.
+* Message caps: 64 MiB until `register()`, then the server's `max_message_bytes` both ways.
+* `submit` retries UNAVAILABLE / DEADLINE_EXCEEDED with capped exponential backoff and full
+  jitter (tenacity). Resending is safe: group ids are idempotency keys and a group the
+  server already holds comes back DUPLICATE. The acks themselves (STALE, INVALID, REVISION)
+  are final and returned as they are; deciding what to do with them is the node's job.
+* `pull_weights` assembles the streamed chunks and checks size and sha256.
+
+Left out: TLS (plain channel on loopback / trusted networks) and SubmitStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from jetctl.auth import bearer
+from jetctl.proto._gen import swarm_pb2 as pb
+from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from jetctl.client.proxy import GenerateParams, GenerateResult
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+BOOTSTRAP_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class EndpointNotFound(Exception):
+    """The server has not written `servers/<model>.json` yet (or it holds no endpoint)."""
+
+
+class WeightsError(Exception):
+    """A PullWeights stream that does not add up (size or sha256 mismatch)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with full jitter: wait ~ U(0, min(max_s, base_s * 2**n))."""
+
+    attempts: int = 8
+    base_s: float = 0.25
+    max_s: float = 10.0
+    total_s: float = 60.0  # give up (and leave the group in the spool) after this long
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One version's weights as PullWeights delivered them (verified)."""
+
+    version: int
+    kind: str  # full | lora
+    format: str  # safetensors
+    data: bytes
+    sha256: str
+    adapter_config_json: str
+
+
+def read_endpoint(run_dir: Path, model: str) -> str:
+    """host:port of `model`'s server from `<run_dir>/servers/<model>.json`."""
+    path = Path(run_dir) / "servers" / f"{model}.json"
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise EndpointNotFound(
+            f"{path} does not exist yet (is the server for {model!r} up?)"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise EndpointNotFound(f"{path} is not valid JSON yet: {e}") from e
+    endpoint = info.get("endpoint") if isinstance(info, dict) else None
+    if not isinstance(endpoint, str) or not endpoint:
+        raise EndpointNotFound(f"{path} has no endpoint")
+    return endpoint
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE
+
+
+class SwarmTransport:
+    """One model's server, seen from a client node. Create, then `await register(...)`."""
+
+    def __init__(
+        self,
+        model: str,
+        token: str,
+        *,
+        run_dir: Path | None = None,
+        endpoint: str | None = None,
+        call_timeout_s: float = 30.0,
+        generate_timeout_s: float = 300.0,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        if run_dir is None and endpoint is None:
+            raise ValueError("give run_dir (to read servers/<model>.json) or a fixed endpoint")
+        self.model = model
+        self._token = token
+        self._run_dir = run_dir
+        self._fixed_endpoint = endpoint
+        self.call_timeout_s = call_timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.retry = retry
+        self.max_message_bytes = BOOTSTRAP_MESSAGE_BYTES
+        self.endpoint: str | None = None
+        self.reachable = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.SwarmStub | None = None
+
+    # ------------------------------------------------------------------ channel
+
+    def _options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            # reconnect quickly after a server restart
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 5_000),
+        ]
+
+    def _current_endpoint(self) -> str:
+        if self._fixed_endpoint is not None:
+            return self._fixed_endpoint
+        assert self._run_dir is not None
+        return read_endpoint(self._run_dir, self.model)
+
+    async def _ensure_channel(self, *, reread: bool = False) -> pb_grpc.SwarmStub:
+        """The stub; (re)opens the channel when none is open or the endpoint file changed."""
+        if self._stub is not None and not reread:
+            return self._stub
+        endpoint = self._current_endpoint()
+        if self._stub is not None and endpoint == self.endpoint:
+            return self._stub
+        await self._close_channel()
+        self.endpoint = endpoint
+        self._channel = grpc.aio.insecure_channel(endpoint, options=self._options())
+        self._stub = pb_grpc.SwarmStub(self._channel)
+        return self._stub
+
+    async def _close_channel(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def close(self) -> None:
+        await self._close_channel()
+
+    def _metadata(self) -> tuple[tuple[str, str]]:
+        return bearer(self._token)
+
+    def _note(self, exc: BaseException | None) -> None:
+        """Track reachability: any answer from the server means it is reachable."""
+        if exc is None:
+            self.reachable = True
+        elif isinstance(exc, grpc.aio.AioRpcError):
+            self.reachable = exc.code() not in RETRYABLE
+        elif isinstance(exc, EndpointNotFound):
+            self.reachable = False
+
+    async def _before_retry(self) -> None:
+        """The server may have restarted elsewhere: re-read its endpoint file."""
+        try:
+            await self._ensure_channel(reread=True)
+        except EndpointNotFound as e:
+            log.info("server endpoint for %s not available: %s", self.model, e)
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def register(self, client_id: str, task: str, revision: str) -> pb.RegisterReply:
+        """Say who we are; adopt the server's message cap. Retried like `submit`."""
+        request = pb.RegisterRequest(
+            client_id=client_id, task=task, client_revision=revision, model=self.model
+        )
+
+        async def call(stub: pb_grpc.SwarmStub) -> pb.RegisterReply:
+            return await stub.Register(
+                request, metadata=self._metadata(), timeout=self.call_timeout_s
+            )
+
+        reply: pb.RegisterReply = await self._retrying(call)
+        if reply.max_message_bytes > 0 and reply.max_message_bytes != self.max_message_bytes:
+            self.max_message_bytes = int(reply.max_message_bytes)
+            await self._close_channel()
+            await self._ensure_channel()
+        return reply
+
+    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateReply:
+        """One Generate; UNAVAILABLE is retried a few times (the server may be restarting)."""
+
+        async def call(stub: pb_grpc.SwarmStub) -> pb.GenerateReply:
+            return await stub.Generate(
+                request, metadata=self._metadata(), timeout=self.generate_timeout_s
+            )
+
+        policy = RetryPolicy(attempts=4, base_s=0.2, max_s=2.0, total_s=10.0)
+        result: pb.GenerateReply = await self._retrying(
+            call, policy=policy, codes=(grpc.StatusCode.UNAVAILABLE,)
+        )
+        return result
+
+    async def submit(self, groups: Sequence[pb.TrajectoryGroup]) -> pb.SubmitReply:
+        """Send groups, get one ack per group. Raises `grpc.aio.AioRpcError` after retries."""
+        request = pb.SubmitRequest(groups=list(groups))
+
+        async def call(stub: pb_grpc.SwarmStub) -> pb.SubmitReply:
+            return await stub.Submit(
+                request, metadata=self._metadata(), timeout=self.call_timeout_s
+            )
+
+        reply: pb.SubmitReply = await self._retrying(call)
+        return reply
+
+    async def pull_weights(self, have_version: int) -> Weights | None:
+        """The server's current weights if newer than `have_version`, else None."""
+        stub = await self._ensure_channel()
+        stream = stub.PullWeights(
+            pb.PullWeightsRequest(have_version=have_version),
+            metadata=self._metadata(),
+            timeout=max(self.call_timeout_s, 600.0),
+        )
+        buf = bytearray()
+        first: pb.WeightsChunk | None = None
+        try:
+            async for chunk in stream:
+                if first is None:
+                    first = chunk
+                if chunk.version != first.version or chunk.sha256 != first.sha256:
+                    raise WeightsError("PullWeights chunks of different versions in one stream")
+                if chunk.offset != len(buf):
+                    raise WeightsError(
+                        f"PullWeights chunk at offset {chunk.offset}, expected {len(buf)}"
+                    )
+                buf += chunk.data
+                if len(buf) > first.total_bytes:
+                    raise WeightsError(
+                        f"PullWeights sent more than total_bytes={first.total_bytes}"
+                    )
+        except grpc.aio.AioRpcError as e:
+            self._note(e)
+            raise
+        self._note(None)
+        if first is None:
+            return None
+        if len(buf) != first.total_bytes:
+            raise WeightsError(f"PullWeights sent {len(buf)} of {first.total_bytes} bytes")
+        digest = hashlib.sha256(buf).hexdigest()
+        if digest != first.sha256:
+            raise WeightsError(f"weights sha256 {digest} != announced {first.sha256}")
+        return Weights(
+            version=first.version,
+            kind=first.kind,
+            format=first.format,
+            data=bytes(buf),
+            sha256=digest,
+            adapter_config_json=first.adapter_config_json,
+        )
+
+    async def _retrying(
+        self,
+        call: Callable[[pb_grpc.SwarmStub], Awaitable[T]],
+        *,
+        policy: RetryPolicy | None = None,
+        codes: tuple[grpc.StatusCode, ...] = RETRYABLE,
+    ) -> T:
+        """Run `call(stub)` with capped exponential backoff and jitter on `codes`."""
+        p = policy or self.retry
+
+        def retryable(exc: BaseException) -> bool:
+            return isinstance(exc, EndpointNotFound) or (
+                isinstance(exc, grpc.aio.AioRpcError) and exc.code() in codes
+            )
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(retryable),
+            wait=wait_random_exponential(multiplier=p.base_s, max=p.max_s),
+            stop=stop_after_attempt(p.attempts) | stop_after_delay(p.total_s),
+            reraise=True,
+        ):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    await self._before_retry()
+                try:
+                    stub = await self._ensure_channel()
+                    result = await call(stub)
+                except (grpc.aio.AioRpcError, EndpointNotFound) as e:
+                    self._note(e)
+                    raise
+                self._note(None)
+                return result
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+
+async def wait_for_endpoint(
+    run_dir: Path, model: str, stop: asyncio.Event, poll_s: float = 0.5
+) -> str:
+    """Wait until the server has written its endpoint file (or `stop` is set)."""
+    while not stop.is_set():
+        try:
+            return read_endpoint(run_dir, model)
+        except EndpointNotFound:
+            await asyncio.sleep(poll_s)
+    raise EndpointNotFound(f"stopped before the server for {model!r} wrote its endpoint")
+
+
+class ServerBackend:
+    """The proxy's `Backend` for `inference: server`: Generate on the model's server."""
+
+    def __init__(self, transport: SwarmTransport) -> None:
+        self.transport = transport
+
+    async def generate(self, params: GenerateParams) -> GenerateResult:
+        from jetctl.client.proxy import BackendError, GenerateResult
+
+        request = pb.GenerateRequest(
+            model=self.transport.model,
+            prompt_ids=params.prompt_ids,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            stop_token_ids=params.stop_token_ids,
+            request_id=params.request_id,
+            seed=params.seed,
+        )
+        try:
+            reply = await self.transport.generate(request)
+        except EndpointNotFound as e:
+            raise BackendError(str(e)) from e
+        except grpc.aio.AioRpcError as e:
+            status = (
+                400
+                if e.code()
+                in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                else 503
+            )
+            raise BackendError(
+                f"Generate failed: {e.code().name}: {e.details()}", status=status
+            ) from e
+        return GenerateResult(
+            completion_ids=list(reply.completion_ids),
+            completion_logprobs=list(reply.completion_logprobs),
+            model_version=int(reply.model_version),
+            finish_reason=reply.finish_reason or "stop",
+        )

@@ -1,0 +1,81 @@
+"""Submit retries outages with backoff, treats a lost reply's retry (DUPLICATE) as success,
+follows a restarted server to its new endpoint, and never retries a refused token."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from jetctl.client.transport import RetryPolicy, SwarmTransport
+from jetctl.proto._gen import swarm_pb2 as pb
+from jetctl.proto.convert import group_to_pb
+from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
+from tests.factories import make_group
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+FAST = RetryPolicy(attempts=5, base_s=0.2, max_s=1.0, total_s=20.0)
+
+
+async def test_unavailable_is_retried_with_backoff(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files, submit_faults=["unavailable", "unavailable"])
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    group = group_to_pb(make_group())
+    reply = await transport.submit([group])
+    assert [a.code for a in reply.acks] == [pb.Ack.ACCEPTED]
+    assert len(fake.submit_calls) == 3 and transport.reachable
+    gaps = [b - a for a, b in zip(fake.submit_times, fake.submit_times[1:])]
+    assert all(g > 0.0 for g in gaps) and sum(gaps) < 3.0  # jittered waits, capped at max_s=1
+    await transport.close()
+    await server.stop(None)
+
+
+async def test_lost_reply_is_resent_and_comes_back_duplicate(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files, submit_faults=["drop"])
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    group = group_to_pb(make_group())
+    reply = await transport.submit([group])
+    assert [a.code for a in reply.acks] == [pb.Ack.DUPLICATE]
+    assert list(fake.stored) == [group.id]  # stored exactly once
+    await transport.close()
+    await server.stop(None)
+
+
+async def test_follows_a_restarted_server_to_its_new_port(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    server, first = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    await transport.register("n", "digits", "r0")
+    await server.stop(None)
+    server, second = await start_fake_server(fake, tmp_path)  # new port, endpoint file rewritten
+    assert first != second
+    reply = await transport.submit([group_to_pb(make_group())])
+    assert reply.acks[0].code == pb.Ack.ACCEPTED and transport.endpoint == second
+    await transport.close()
+    await server.stop(None)
+
+
+async def test_bad_token_is_not_retried(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    server, endpoint = await start_fake_server(fake)
+    transport = SwarmTransport("policy", "wrong", endpoint=endpoint, retry=FAST)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await transport.submit([group_to_pb(make_group())])
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() - t0 < 2.0
+    await transport.close()
+    await server.stop(None)
