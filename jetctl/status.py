@@ -101,6 +101,7 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "accepted": _int(f, "accepted_trajectories"),
         "accepted_groups": _int(f, "accepted_groups"),
         "rejected": {k: int(v) for k, v in (f.get("rejected") or {}).items()},
+        "rejected_groups": {k: int(v) for k, v in (f.get("rejected_groups") or {}).items()},
         "trained": _int(f, "trained_trajectories"),
         "trained_groups": _int(f, "trained_groups"),
         "reward_mean": _float(f, "reward_mean_recent"),

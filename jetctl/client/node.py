@@ -106,6 +106,8 @@ class NodeStats:
 class ClientNode:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
+        # groups per Submit; drops to 1 after a whole request was refused, to isolate the bad one
+        self._submit_batch = config.submit_batch_groups
         self.model = config.task.model
         self.state = "starting"
         self.stats = NodeStats()
@@ -394,7 +396,7 @@ class ClientNode:
 
     async def _send_once(self) -> int:
         """Push one batch of due groups; returns how many were attempted."""
-        due = self.spool.due(limit=self.config.submit_batch_groups)
+        due = self.spool.due(limit=self._submit_batch)
         if not due:
             return 0
         limit = self.transport.max_message_bytes
@@ -422,6 +424,16 @@ class ClientNode:
                 [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
             )
         except (grpc.aio.AioRpcError, EndpointNotFound) as e:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # the server refused the request whole: every group in it is invalid. With
+                # several groups, resend them one by one next time to tell which.
+                if len(batch) == 1:
+                    self._record_ack(batch[0], "invalid", f"invalid: {e.details()}")
+                else:
+                    self._submit_batch = 1
+                    for item in batch:
+                        self.spool.defer(item.id, 0.0)
+                return len(batch)
             log.warning("submit of %d groups failed: %s; will resend", len(batch), _short(e))
             for item in batch:
                 self.spool.defer(item.id, self._resend_delay(item.attempts))
@@ -433,13 +445,16 @@ class ClientNode:
             if ack is None or outcome is None:
                 self.spool.defer(item.id, self._resend_delay(item.attempts))
                 continue
-            self.spool.ack(item.id, outcome, ack.reason)
-            self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
-            if outcome in ("stale", "invalid", "revision"):
-                log.warning("group %s %s: %s", item.id, outcome, ack.reason)
-            if outcome == "revision":
-                self.drain()  # the server refuses this revision: nothing more to do here
+            self._record_ack(item, outcome, ack.reason)
         return len(batch)
+
+    def _record_ack(self, item: PendingGroup, outcome: Outcome, reason: str) -> None:
+        self.spool.ack(item.id, outcome, reason)
+        self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
+        if outcome in ("stale", "invalid", "revision"):
+            log.warning("group %s %s: %s", item.id, outcome, reason)
+        if outcome == "revision":
+            self.drain()  # the server refuses this revision: nothing more to do here
 
     def _resend_delay(self, attempts: int) -> float:
         cap = min(self.config.resend_max_s, self.config.resend_base_s * 2**attempts)

@@ -219,11 +219,8 @@ class SwarmService:
         counts = await asyncio.to_thread(self.store.counts)
         by_task = await asyncio.to_thread(self.store.received_by_task)
         trajs = counts["trajectories"]
-        rejected_total: dict[str, int] = {}
-        for k, v in trajs.items():
-            if k.startswith("rejected:"):
-                reason = k.split(":", 1)[1].split(":", 1)[0]
-                rejected_total[reason] = rejected_total.get(reason, 0) + v
+        rejected_total = _by_reason(trajs)
+        rejected_groups = _by_reason(counts["groups"])
         f = self.trainer.figures
         now = time.monotonic()
         self._accepted_times = [(t, n) for t, n in self._accepted_times if now - t < 60]
@@ -250,7 +247,18 @@ class SwarmService:
             last_step=f.last_step,
             pid=os.getpid(),
             received_by_task=by_task,
+            rejected_groups=rejected_groups,
         )
+
+
+def _by_reason(counts: dict[str, int]) -> dict[str, int]:
+    """{"rejected:stale: lag 3 > 2": n, ...} -> {"stale": n, ...}"""
+    out: dict[str, int] = {}
+    for key, n in counts.items():
+        if key.startswith("rejected:"):
+            reason = key.split(":", 2)[1].strip()
+            out[reason] = out.get(reason, 0) + n
+    return out
 
 
 def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.ServerInterceptor:
