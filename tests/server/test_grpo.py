@@ -40,3 +40,12 @@ def test_clipping_stops_the_gradient_beyond_the_trust_region() -> None:
     loss.backward()
     assert new.grad is not None and new.grad.item() == 0.0
     assert st.clip_fraction == 1.0 and st.ratio_max == pytest.approx(math.exp(0.5))
+
+
+def test_extreme_log_ratio_stays_finite() -> None:
+    # behaviour logprob -90 vs new -1: exp(89) overflows float32 without the clamp
+    new = torch.tensor([-1.0, -1.0], requires_grad=True)
+    loss, _ = grpo_loss(new, torch.tensor([-90.0, -1.0]), torch.tensor([1.0, -1.0]),
+                        clip_eps=0.2, normalizer=2)
+    loss.backward()
+    assert torch.isfinite(loss) and new.grad is not None and torch.isfinite(new.grad).all()

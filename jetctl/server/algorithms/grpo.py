@@ -49,7 +49,9 @@ def grpo_loss(
     clip_eps: float,
     normalizer: int,  # scored tokens in the whole optimizer step (all micro-batches)
 ) -> tuple[torch.Tensor, LossStats]:
-    log_ratio = new_logprobs - old_logprobs
+    # clamp before exp: a token whose probability moved by e^20 is clipped anyway, and an
+    # unclamped exp overflows to inf (then NaN gradients) on a very stale token
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
