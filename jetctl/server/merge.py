@@ -19,6 +19,8 @@ What it does (docs/architecture.md section 5, "Timeline merging"):
    would be silently wrong under eager attention (it is added to the scores), hence float.
    Each target token is scored from the logits at its parent's position in the row, so
    several branches may be scored from one position (``pred_index`` rows repeat).
+   A tree row that holds a single sequence (one agent's timeline) gets the ``linear``
+   layout: nothing branches, and kernels can then take their causal path.
 3. ``token_logprobs(model, mb)`` runs the forward pass and returns the log-probability of
    every target, computing logits and log-softmax only at the scored positions.
 4. ``merge_stats(naive, microbatches)`` gives the ``merge/*`` step scalars.
@@ -218,8 +220,12 @@ def pack(
             f"max_tokens_per_microbatch ({max_tokens_per_microbatch}) must be at least 1"
         )
     if mode == "tree":
+        # A row of one sequence has no branches: lay it out as ``linear`` does (2-D mask),
+        # which lets attention kernels take their causal path (half the score blocks) and
+        # skips building a T x T mask; the arithmetic is the same.
         return [
-            _tree_microbatch(sequences, row, dtype)
+            _padded_microbatch(sequences, row) if len(row) == 1
+            else _tree_microbatch(sequences, row, dtype)
             for row in _tree_rows(sequences, max_tokens_per_microbatch)
         ]
     return [

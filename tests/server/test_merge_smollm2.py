@@ -1,0 +1,152 @@
+"""Merged training equals call-by-call training on SmolLM2-135M (LoRA, fp32).
+
+Same check as tests/server/test_merge.py, on the real model and real chats: the bench's
+4-call tool agent (one linear timeline) and a GRPO group of G = 8 completions of one
+prompt (a prefix tree), at the bench's --quick sizes, under eager (the server's) and sdpa
+(the bench's) attention. The reference is a plain loop: every LLM call on its own, no
+mask, default positions, each completion token scored from the logits before it, one GRPO
+loss (jetctl.server.algorithms.grpo) over all of them. The merged path is the trainer's:
+timeline_sequences -> pack -> token_logprobs -> grpo_loss -> backward per micro-batch.
+Behaviour logprobs are the reference's own plus noise in [-0.1, 0.1], so every importance
+ratio lies inside the clip range and every token carries gradient; LoRA B starts from
+small noise instead of zero so that A gets gradient too.
+
+Tolerance: 1e-5 relative, fp32. Both paths compute the same values; matmuls and softmax
+sums over other lengths and layouts (a padded batch, a trie row with masked keys whose
+exp(finfo.min) is exactly 0) only reduce in another order. fp32 rounds at 6e-8 per op;
+through 30 layers and ~500-token rows, measured: log-probs 1.4e-5 absolute, loss 2.4e-7,
+linear-timeline gradient 3.5e-6 relative; the GRPO group's gradient 1.5-1.7e-5 relative
+(GROUP_GRAD_RTOL says why it gets 5e-5). Real mistakes are orders of magnitude above
+these: a position or mask error moves log-probs by 1e-3 or more (test_merge.py).
+
+Run: ``.venv/bin/pytest -m slow tests/server/test_merge_smollm2.py`` (minutes on 2 idle
+cores; 28 min on the busy shared box: the reference loop runs every call separately).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from jetctl.bench.merge import Workload, build_workloads, trainable_model
+from jetctl.models import load_tokenizer
+from jetctl.server.algorithms.grpo import grpo_loss
+from jetctl.server.merge import MergeMode, pack, timeline_sequences, token_logprobs
+from jetctl.types import Trajectory
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # minutes on a busy 2-core box
+
+SMOLLM2 = "builtin:smollm2-135m-instruct"
+RTOL = 1e-5  # see the module docstring
+# A GRPO group's advantages sum to zero, so the prompt's gradient terms of the G rollouts
+# cancel and ||g|| is far below the terms summed into it: the same fp32 rounding is a
+# larger fraction of it. Measured: 1.5e-5 (eager) and 1.7e-5 (sdpa) relative.
+GROUP_GRAD_RTOL = 5e-5
+CLIP_EPS = 0.2
+
+
+@pytest.fixture(scope="module", params=["eager", "sdpa"])
+def model(request: pytest.FixtureRequest) -> Any:
+    lora = trainable_model(SMOLLM2, "lora", request.param)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return lora
+
+
+@pytest.fixture(scope="module")
+def workloads() -> dict[str, Workload]:
+    tok = load_tokenizer(SMOLLM2, progress=False)
+    # the bench's quick sizes: a 4-call agent with contexts ~270 -> ~530 tokens and a group
+    # of G = 8 on a ~200-token prompt keep the reference loop to ~3k tokens per case
+    agent, group = build_workloads(tok, [1, 3], quick=True)
+    return {"agent": agent, "grpo": group}
+
+
+Key = tuple[str, tuple[int, ...]]  # (trajectory id, context + target): one scored token
+
+
+def reference(
+    model: Any, trajs: list[tuple[Trajectory, float]]
+) -> tuple[torch.Tensor, torch.Tensor, list[Key]]:
+    """Call by call: (GRPO loss, new logprob of every completion token, their keys)."""
+    new, old, adv, keys = [], [], [], []
+    for t, a in trajs:
+        for c in t.calls:
+            tokens = c.prompt_ids + c.completion_ids
+            p = len(c.prompt_ids)
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, p - 1 : -1].float()  # [C, V]
+            lp = torch.log_softmax(logits, -1).gather(
+                -1, torch.tensor(c.completion_ids)[:, None]
+            )[:, 0]  # [C]
+            new.append(lp)
+            old.append(torch.tensor(c.completion_logprobs))
+            adv.append(torch.full((len(c.completion_ids),), a))
+            keys += [(t.id, tuple(tokens[: p + k + 1])) for k in range(len(c.completion_ids))]
+    new_t = torch.cat(new)
+    loss, _ = grpo_loss(new_t, torch.cat(old), torch.cat(adv), clip_eps=CLIP_EPS,
+                        normalizer=new_t.numel())
+    return loss, new_t, keys
+
+
+def set_behaviour_logprobs(model: Any, trajs: list[tuple[Trajectory, float]]) -> None:
+    """Behaviour logprobs = the current policy's + noise in [-0.1, 0.1] (inside the clip)."""
+    rng = random.Random(0)
+    with torch.no_grad():
+        _, lp, _ = reference(model, trajs)
+    it = iter(lp.tolist())
+    for t, _ in trajs:
+        for c in t.calls:
+            c.completion_logprobs = [next(it) + rng.uniform(-0.1, 0.1) for _ in c.completion_ids]
+
+
+def grads(model: Any) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize(("workload", "mode"), [("agent", "linear"), ("grpo", "tree")])
+def test_merged_equals_call_by_call(
+    model: Any, workloads: dict[str, Workload], workload: str, mode: MergeMode
+) -> None:
+    trajs = workloads[workload].trajectories
+    set_behaviour_logprobs(model, trajs)
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_lp, ref_keys = reference(model, trajs)
+    ref_loss.backward()
+    ref_grad = grads(model).clone()
+    model.zero_grad(set_to_none=True)
+
+    seqs = [s for t, a in trajs for s in timeline_sequences(t, a, mode)]
+    mbs = pack(seqs, mode, 8192)
+    assert len(mbs) == 1 and mbs[0].input_ids.shape[0] == 1  # one row: merged or a trie
+    n = sum(mb.num_targets for mb in mbs)
+    assert n == ref_lp.numel()
+    loss = torch.zeros(())
+    got: dict[Key, float] = {}
+    for mb in mbs:
+        lp = token_logprobs(model, mb)
+        keys = [(seqs[s].trajectory_id, tuple(seqs[s].tokens[: i + 1]))
+                for s, i in zip(mb.seq_index.tolist(), mb.token_index.tolist())]
+        got.update(zip(keys, lp.detach().tolist()))
+        mb_loss, stats = grpo_loss(lp, mb.old_logprobs, mb.advantages, clip_eps=CLIP_EPS,
+                                   normalizer=n)
+        assert stats.clip_fraction == 0.0  # every token carries gradient
+        mb_loss.backward()
+        loss = loss + mb_loss.detach()
+    assert got.keys() == set(ref_keys)
+    merged_lp = torch.tensor([got[k] for k in ref_keys])
+    lp_gap = (merged_lp - ref_lp.detach()).abs().max().item()
+    torch.testing.assert_close(merged_lp, ref_lp.detach(), rtol=RTOL, atol=RTOL)
+    loss_gap = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    assert loss_gap <= RTOL, f"loss differs by {loss_gap:.2e} relative"
+    g = grads(model)
+    grad_gap = ((g - ref_grad).norm() / ref_grad.norm()).item()
+    grad_rtol = GROUP_GRAD_RTOL if workload == "grpo" else RTOL
+    assert grad_gap <= grad_rtol, f"gradient differs by {grad_gap:.2e} relative"
+    print(f"{workload}/{mode}: logprob {lp_gap:.1e}, loss {loss_gap:.1e}, grad {grad_gap:.1e}")
+    model.zero_grad(set_to_none=True)
