@@ -28,6 +28,7 @@ from jetctl.controller.rundir import (
 from jetctl.controller.service import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
+from jetctl.tls import TlsFiles
 
 
 class RunFinished(RunDirError):
@@ -57,7 +58,8 @@ def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:
     token = read_token_for(run_dir)
     try:
         reply: cpb.RunStatusReply = call_control(
-            str(ctl.get("endpoint")), token, "Status", cpb.RunStatusRequest(), timeout_s
+            str(ctl.get("endpoint")), token, "Status", cpb.RunStatusRequest(), timeout_s,
+            tls=TlsFiles.from_json(info.get("tls")),
         )
     except grpc.RpcError as e:
         raise RunDirError(
@@ -142,7 +144,7 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
 
 def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
     """The `jetctl status --once --json` document."""
-    return {
+    doc = {
         "run": reply.run,
         "run_dir": reply.run_dir,
         "state": reply.state,
@@ -150,6 +152,31 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
         "servers": [server_entry(n) for n in reply.nodes if n.kind == "server"],
         "clients": [client_entry(n) for n in reply.nodes if n.kind == "client"],
     }
+    doc["tasks"] = task_summary(doc)
+    return doc
+
+
+def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per task: its nodes' revisions, nodes up, rollouts, spool, and the trajectories the
+    servers received from it (`received_by_task`, summed over the servers)."""
+    tasks: dict[str, dict[str, Any]] = {}
+
+    def entry(task: str) -> dict[str, Any]:
+        return tasks.setdefault(task, {"revisions": [], "nodes": 0, "up": 0, "rollouts_done": 0,
+                                       "spool_depth": 0, "received": 0})
+
+    for c in doc["clients"]:
+        e = entry(c["task"])
+        if c["revision"] not in e["revisions"]:
+            e["revisions"].append(c["revision"])
+        e["nodes"] += 1
+        e["up"] += int(c["process_state"] == "running")
+        e["rollouts_done"] += int(c["rollouts_done"] or 0)
+        e["spool_depth"] += int(c["spool_depth"] or 0)
+    for srv in doc["servers"]:
+        for task, n in (srv.get("received_by_task") or {}).items():
+            entry(task)["received"] += int(n)
+    return dict(sorted(tasks.items()))
 
 
 # -- rendering -----------------------------------------------------------------------------
@@ -230,9 +257,42 @@ def clients_table(doc: dict[str, Any]) -> Table:
     return t
 
 
+def tasks_table(doc: dict[str, Any]) -> Table:
+    t = Table(title="tasks", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+              show_edge=False, pad_edge=False)
+    for col in ("task", "rev", "up", "rollouts", "spool", "received"):
+        t.add_column(col, justify="left" if col in ("task", "rev") else "right", no_wrap=True)
+    for task, e in (doc.get("tasks") or task_summary(doc)).items():
+        t.add_row(task, ",".join(e["revisions"]) or "-", f"{e['up']}/{e['nodes']}",
+                  _fmt(e["rollouts_done"]), _fmt(e["spool_depth"]), _fmt(e["received"]))
+    return t
+
+
+def ledger_line(ledger: dict[str, Any]) -> Text:
+    """Totals of `jetctl.ledger` in one line: where every trajectory id is."""
+    t = Text("ledger  ", style="bold")
+    t.append(f"produced {ledger['produced']}  trained {ledger['trained']}  "
+             f"rejected {sum(ledger['rejected'].values())}  "
+             f"dropped {sum(ledger['dropped'].values())}  "
+             f"in flight {sum(ledger['in_flight'].values())}  ")
+    if ledger["balanced"]:
+        t.append("balanced", style="green")
+    else:
+        t.append(f"lost {ledger['lost']}, trained twice {ledger['trained_twice']}, "
+                 f"conflicts {ledger['conflicts']}", style="red")
+    return t
+
+
 def render_status(doc: dict[str, Any]) -> RenderableType:
-    """The `jetctl status` view: a header, the servers table, the clients table."""
-    return Group(header(doc), Text(""), servers_table(doc), Text(""), clients_table(doc))
+    """The `jetctl status` view: a header, the servers table, the clients table (and the
+    ledger's totals when the document has them)."""
+    parts: list[RenderableType] = [
+        header(doc), Text(""), servers_table(doc), Text(""), tasks_table(doc), Text(""),
+        clients_table(doc),
+    ]
+    if doc.get("ledger"):
+        parts += [Text(""), ledger_line(doc["ledger"])]
+    return Group(*parts)
 
 
 def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:

@@ -50,7 +50,9 @@ def reply() -> cpb.RunStatusReply:
 
 def test_document_shape_and_types() -> None:
     doc = document(reply())
-    assert set(doc) == {"run", "run_dir", "state", "uptime_s", "servers", "clients"}
+    assert set(doc) == {"run", "run_dir", "state", "uptime_s", "servers", "clients", "tasks"}
+    assert doc["tasks"] == {"arith": {"revisions": ["r0"], "nodes": 2, "up": 1,
+                                      "rollouts_done": 12, "spool_depth": 2, "received": 0}}
     (s,) = doc["servers"]
     assert s["version"] == 7 and s["buffer_depth"] == 3 and s["accepted"] == 40
     assert s["rejected"] == {"stale": 2, "invalid": 1} and s["trained"] == 32

@@ -79,8 +79,17 @@ def register(app: typer.Typer) -> None:
             if not token_path.is_file():
                 fail(f"no token: set JETCTL_TOKEN or create {token_path} (jetctl up writes it)")
             token = read_token(token_path)
+        from jetctl.tls import TlsError, tls_files
+
+        tls = tls_files(recipe_obj.run.tls, run_dir)
+        try:
+            if tls is not None:
+                tls.check("client")
+        except TlsError as exc:
+            fail(str(exc))
 
         from jetctl.client.node import ClientNode, NodeConfig
+        from jetctl.faults import endpoint_override
 
         config = NodeConfig(
             name=name or default_node_name(task, index),
@@ -88,12 +97,15 @@ def register(app: typer.Typer) -> None:
             task=recipe_obj.tasks[task],
             run_dir=run_dir,
             token=token,
+            tls=tls,
             index=index,
             revision=revision or "default",
             agent=agent,
             max_groups=max_groups,
             drain_grace_s=drain_grace_s,
             metrics_port=metrics_port,
+            # chaos runs route clients through a network proxy (jetctl.netproxy)
+            endpoint=endpoint_override(recipe_obj.tasks[task].model),
         )
         raise typer.Exit(asyncio.run(ClientNode(config).run()))
 

@@ -14,7 +14,10 @@ import typer
 from jetctl import __version__
 
 # modules under jetctl.cli that define `register(app: typer.Typer) -> None`
-COMMAND_MODULES = ("up", "status", "validate", "server", "client", "models", "bench")
+COMMAND_MODULES = (
+    "up", "status", "validate", "server", "client", "models", "bench", "swap", "images",
+    "chaos",
+)
 
 
 def build_app() -> typer.Typer:

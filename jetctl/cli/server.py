@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
 
         from jetctl.recipe import load_recipe
         from jetctl.server.app import ServerOptions, resolve_token, serve
+        from jetctl.tls import TlsError, tls_files
 
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -36,9 +37,15 @@ def register(app: typer.Typer) -> None:
             fail(getattr(exc, "render", lambda: str(exc))())
         if model not in rec.models:
             fail(f"model {model!r} is not in {recipe} (models: {', '.join(rec.models)})")
+        tls = tls_files(rec.run.tls, run_dir)
+        try:
+            if tls is not None:
+                tls.check("server")
+        except TlsError as exc:
+            fail(str(exc))
         opts = ServerOptions(
             name=model, cfg=rec.models[model], run_dir=run_dir.resolve(),
             token=resolve_token(run_dir), port=port, metrics_port=metrics_port,
-            train=not no_train,
+            train=not no_train, tls=tls,
         )
         raise typer.Exit(asyncio.run(serve(opts)))

@@ -1,7 +1,7 @@
 """`jetctl status`: the live view of a run (servers and clients), or one JSON document.
 
     jetctl status                      # finds runs/latest; refreshes every 2 s; Ctrl-C quits
-    jetctl status --once --json        # one JSON document for scripts
+    jetctl status --once --json        # one JSON document for scripts (with the `ledger`)
     jetctl status --run-dir runs/x --interval 5
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -30,9 +30,17 @@ def status(
     from jetctl.status import RunFinished, document, fetch_status, render_status
 
     console = Console()
+
+    def document_with_ledger(rd: Path) -> dict[str, Any]:
+        from jetctl.ledger import build_ledger
+
+        doc = document(fetch_status(rd))
+        doc["ledger"] = build_ledger(rd).summary()  # read from the stores and spools
+        return doc
+
     try:
         rd = find_run_dir(run_dir)
-        doc = document(fetch_status(rd))
+        doc = document_with_ledger(rd)
     except RunDirError as e:
         fail(str(e))
     if once:
@@ -46,11 +54,11 @@ def status(
             while True:
                 typer.echo(json.dumps(doc))
                 time.sleep(interval)
-                doc = document(fetch_status(rd))
+                doc = document_with_ledger(rd)
         with Live(render_status(doc), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
-                doc = document(fetch_status(rd))
+                doc = document_with_ledger(rd)
                 live.update(render_status(doc))
     except KeyboardInterrupt:
         return

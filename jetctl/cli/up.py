@@ -177,6 +177,7 @@ def down(
     from jetctl.controller.service import call_control
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.status import controller_alive
+    from jetctl.tls import TlsFiles
 
     console = Console()
     try:
@@ -189,7 +190,10 @@ def down(
             return
         ctl = info.get("controller") or {}
         token = read_token_for(rd)
-        call_control(str(ctl["endpoint"]), token, "Down", cpb.DownRequest(grace_s=grace))
+        call_control(
+            str(ctl["endpoint"]), token, "Down", cpb.DownRequest(grace_s=grace),
+            tls=TlsFiles.from_json(info.get("tls")),
+        )
     except RunDirError as e:
         fail(str(e))
     except grpc.RpcError as e:
@@ -208,16 +212,27 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
     """Stop a dead controller's nodes from their pid files (clients first), then write the
     reward curve and mark run.json finished. Returns how many nodes were running."""
     from jetctl.controller.rundir import RunPaths, read_json, write_json_atomic
+    from jetctl.controller.runtimes.base import Runtime
     from jetctl.controller.runtimes.process import ProcessRuntime
     from jetctl.plot import write_reward_curve
 
-    runtime = ProcessRuntime(run_dir)
-    handles = runtime.list()
+    runtimes: list[Runtime] = [ProcessRuntime(run_dir)]
+    if _has_containers(run_dir):
+        from jetctl.controller.runtimes.docker import DockerRuntime, RuntimeUnavailable
+
+        try:
+            runtimes.append(DockerRuntime(run_dir))
+        except RuntimeUnavailable as e:
+            Console(stderr=True).print(f"[yellow]warning:[/yellow] {e}; containers not stopped")
+    handles = [(rt, h) for rt in runtimes for h in rt.list("")]
     for kind in ("client", "server"):
-        batch = [h for h in handles if h.spec.kind == kind]
-        runtime.stop_all(batch, grace)
-        for h in batch:
-            runtime.release(h)
+        for rt in runtimes:
+            batch = [h for r, h in handles if r is rt and h.spec.kind == kind]
+            rt.stop_all(batch, grace)
+            for h in batch:
+                rt.release(h)
+    for rt in runtimes:
+        rt.prune("")
     write_reward_curve(run_dir)
     paths = RunPaths(run_dir)
     info = read_json(paths.run_json)
@@ -225,6 +240,20 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
         info["state"] = "finished"
         write_json_atomic(paths.run_json, info)
     return len(handles)
+
+
+def _has_containers(run_dir: Path) -> bool:
+    """The run's recipe puts a task on docker (then its containers are looked up by label)."""
+    from jetctl.controller.rundir import RunPaths, read_json
+    from jetctl.recipe import RecipeError, load_recipe
+
+    recipe = str((read_json(RunPaths(run_dir).run_json) or {}).get("recipe") or "")
+    try:
+        return bool(recipe) and any(
+            t.runtime == "docker" for t in load_recipe(recipe).tasks.values()
+        )
+    except RecipeError:
+        return True  # the recipe changed or went away: look anyway
 
 
 def register(app: typer.Typer) -> None:

@@ -1,8 +1,10 @@
 """`inference: local`: generate on the client node with weights pulled from the server.
 
 The node loads the base model (`jetctl.models.load_model(model_source)`), then between
-rollouts asks the server for newer weights (`PullWeights(have_version)`); the transport
-checks size and sha256. A `full` payload is a safetensors state dict loaded into the model;
+rollouts asks the server for newer weights (`PullWeights(have_version)`, in the background
+with `refresh()`, each pull bounded by `pull_timeout_s`, failures backed off: an unreachable
+server never stalls rollouts, they go on with the weights at hand); the transport checks
+size and sha256. A `full` payload is a safetensors state dict loaded into the model;
 a `lora` payload is a peft adapter (safetensors + `adapter_config_json`) set on a peft
 wrapper of the base model. Generation is Hugging Face `generate` (sampling with the
 request's temperature/top_p) on one worker thread; the returned logprobs are the model's
@@ -19,6 +21,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +49,10 @@ class LocalEngine:
         self._peft_model: Any = None
         self._lock = threading.Lock()  # generation vs. weight updates
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
+        self.pull_timeout_s = 60.0
+        self._pull_backoff_s = 0.0  # 0 while pulls succeed; doubles on failure up to 60 s
+        self._next_pull_at = 0.0  # monotonic
+        self._refresh_task: asyncio.Task[bool] | None = None
 
     @classmethod
     async def start(
@@ -65,18 +72,40 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ weights
 
+    def refresh(self) -> None:
+        """Pull newer weights in the background, unless a pull runs or recently failed."""
+        if self._refresh_task is not None and not self._refresh_task.done():
+            return
+        if time.monotonic() < self._next_pull_at:
+            return
+        self._refresh_task = asyncio.get_running_loop().create_task(self.maybe_update())
+
+    def _pull_failed(self, why: str) -> None:
+        self._pull_backoff_s = min(max(2 * self._pull_backoff_s, 2.0), 60.0)
+        self._next_pull_at = time.monotonic() + self._pull_backoff_s
+        log.error(
+            "PullWeights %s; generating with version %d, next try in %.0fs",
+            why, self.version, self._pull_backoff_s,
+        )
+
     async def maybe_update(self) -> bool:
         """Pull and apply newer weights if the server has them; True when applied."""
         if self.transport is None:
             return False
         try:
-            weights = await self.transport.pull_weights(self.version)
+            weights = await asyncio.wait_for(
+                self.transport.pull_weights(self.version), self.pull_timeout_s
+            )
         except WeightsError as e:
             log.warning("ignoring a bad weights payload: %s", e)
             return False
-        except grpc.aio.AioRpcError as e:  # keep generating with the weights we have
-            log.warning("PullWeights failed (%s); keeping version %d", e.code().name, self.version)
+        except asyncio.TimeoutError:
+            self._pull_failed(f"took more than {self.pull_timeout_s:g}s")
             return False
+        except grpc.aio.AioRpcError as e:  # keep generating with the weights we have
+            self._pull_failed(f"failed ({e.code().name})")
+            return False
+        self._pull_backoff_s = 0.0
         if weights is None or weights.version == self.version:
             return False
         loop = asyncio.get_running_loop()

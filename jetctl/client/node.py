@@ -16,8 +16,11 @@ What one node does (docs/architecture.md sections 1, 2, 6):
    a group with fewer than 2 ok trajectories is dropped whole (GRPO needs a comparison).
 4. Spool each group (durable), and let the sender push due groups in batches; a group
    leaves the spool only on an ack; transport errors defer it with capped exponential
-   backoff + jitter. Rollouts never wait for training; they wait only when the spool holds
-   more than `spool_max_bytes` (back-pressure; nothing un-acked is ever deleted).
+   backoff + jitter; while the link is down the oldest group is resent every `probe_s` and
+   the first ack makes every deferred group due again. Rollouts never wait for training;
+   they wait only when the spool holds more than `spool_max_bytes` (back-pressure; nothing
+   un-acked is ever deleted). Trajectory ids are recorded in the spool before their
+   rollouts start; rollouts a killed process left running are recorded `dropped(lost)`.
 5. SIGTERM (or `drain()`): stop taking tasks, let in-flight rollouts finish or time out,
    flush the spool within `drain_grace_s`, exit 0. What is left stays in the spool file and
    is sent by the next node of the same name.
@@ -48,14 +51,22 @@ from jetctl.client.proxy import Backend, Proxy, Sampling, ServedModel
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
 from jetctl.client.spool import Outcome, PendingGroup, Spool
 from jetctl.client.timeline import ChatRenderer
-from jetctl.client.transport import EndpointNotFound, ServerBackend, SwarmTransport
+from jetctl.client.transport import (
+    EndpointNotFound,
+    RetryPolicy,
+    ServerBackend,
+    SwarmTransport,
+)
 from jetctl.env import Task
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import TaskConfig
+from jetctl.tls import TlsFiles
 from jetctl.types import Trajectory, TrajectoryGroup, uuid7
 
 log = logging.getLogger(__name__)
+
+SILENT_S = 5.0  # a Submit unanswered this long marks the server unreachable in the status
 
 ACK_OUTCOME: dict[int, Outcome] = {
     pb.Ack.ACCEPTED: "accepted",
@@ -83,8 +94,10 @@ class NodeConfig:
     submit_batch_groups: int = 8
     resend_base_s: float = 0.5
     resend_max_s: float = 30.0
+    probe_s: float = 2.0  # while Submit fails, resend the oldest group this often
     install_signal_handlers: bool = True
     endpoint: str | None = None  # fixed server endpoint instead of servers/<model>.json
+    tls: TlsFiles | None = None  # run.tls; None: plaintext
 
     @property
     def agent_spec(self) -> str:
@@ -115,7 +128,10 @@ class ClientNode:
         self.metrics_port: int | None = None
         self.spool = Spool(config.run_dir / "spool" / f"{config.name}.sqlite")
         self.transport = SwarmTransport(
-            self.model, config.token, run_dir=config.run_dir, endpoint=config.endpoint
+            self.model, config.token, run_dir=config.run_dir, endpoint=config.endpoint,
+            tls=config.tls,
+            # retries within a call stay short (<= 2 s apart): the spool retries for longer
+            retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
         )
         self.proxy: Proxy | None = None
         self.backend: Backend | None = None
@@ -125,6 +141,10 @@ class ClientNode:
         self._stop_sender = asyncio.Event()
         self._semaphore = asyncio.Semaphore(config.task.concurrency)
         self._runner: RolloutRunner | None = None
+        self.backpressure = False  # the spool is above spool_max_bytes: no new rollouts
+        self._link_down_since: float | None = None  # monotonic; a Submit failed in transport
+        self._last_probe = 0.0
+        self._submit_since: float | None = None  # monotonic start of the Submit under way
         self._local_engine: Any = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,6 +168,7 @@ class ClientNode:
         try:
             if self.config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve("127.0.0.1", self.config.metrics_port)
+            self._recover_lost()
             # Groups left by an earlier node of this name go out first.
             sender = asyncio.create_task(self._sender_loop())
             if not await self._register():
@@ -165,6 +186,14 @@ class ClientNode:
             raise
         finally:
             await self._shutdown()
+
+    def _recover_lost(self) -> None:
+        """Rollouts an earlier process of this node left running (it was killed) are lost."""
+        lost = self.spool.recover_lost("the node died while this rollout ran (killed or crashed)")
+        if lost:
+            log.warning("%d rollouts of an earlier process of %s were lost", lost, self.config.name)
+            self.stats.dropped["lost"] = self.stats.dropped.get("lost", 0) + lost
+            self.metrics.dropped.labels(reason="lost").inc(lost)
 
     async def _finish(self, sender: asyncio.Task[None], status_task: asyncio.Task[None]) -> int:
         self.state = "draining"
@@ -205,7 +234,9 @@ class ClientNode:
                 await _sleep_or(self._draining, delay)
                 delay = min(delay * 2, 10.0)
                 continue
-            if self.config.revision in reply.refused_revisions:
+            # a plain revision, or `<task>/<revision>` (swap-clients --drop-old)
+            mine = {self.config.revision, f"{self.config.task_name}/{self.config.revision}"}
+            if mine & set(reply.refused_revisions):
                 log.warning(
                     "server %s refuses revision %s; exiting", self.model, self.config.revision
                 )
@@ -268,7 +299,8 @@ class ClientNode:
         inflight: set[asyncio.Task[None]] = set()
         started = 0
         while not self._draining.is_set() and (cfg.max_groups is None or started < cfg.max_groups):
-            if self.spool.bytes() > cfg.task.spool_max_bytes or len(inflight) >= max_inflight:
+            self.backpressure = self.spool.bytes() > cfg.task.spool_max_bytes
+            if self.backpressure or len(inflight) >= max_inflight:
                 # back-pressure, or enough groups queued for the rollout slots
                 if inflight:
                     await asyncio.wait(inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
@@ -277,7 +309,7 @@ class ClientNode:
                     await _sleep_or(self._draining, 0.5)
                 continue
             if self._local_engine is not None:
-                await self._local_engine.maybe_update()
+                self._local_engine.refresh()
             task = next(tasks, None)
             if task is None:
                 log.info("the env's task stream ended after %d groups", started)
@@ -289,8 +321,11 @@ class ClientNode:
 
     async def _run_group(self, task: Task) -> None:
         group_id = uuid7()
+        trajectory_ids = [uuid7() for _ in range(self.config.task.group_size)]
+        # made and recorded before anything is sent: if the node dies now, they are lost
+        self.spool.start(group_id, trajectory_ids)
         trajectories = await asyncio.gather(
-            *(self._run_rollout(task, group_id) for _ in range(self.config.task.group_size))
+            *(self._run_rollout(task, group_id, tid) for tid in trajectory_ids)
         )
         ok = [t for t in trajectories if t.status == "ok"]
         for t in trajectories:
@@ -312,16 +347,18 @@ class ClientNode:
                 model=self.model,
                 trajectories=ok,
             )
-            self.spool.put(group.id, group_to_pb(group).SerializeToString(), len(ok))
+            self.spool.put(
+                group.id, group_to_pb(group).SerializeToString(), len(ok),
+                trajectory_ids=[t.id for t in ok],
+            )
             self.stats.groups_spooled += 1
             self._sender_wake.set()
         self.stats.groups_finished += 1
 
-    async def _run_rollout(self, task: Task, group_id: str) -> Trajectory:
+    async def _run_rollout(self, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
         assert self.proxy is not None and self._runner is not None
         cfg = self.config
         async with self._semaphore:
-            trajectory_id = uuid7()  # made before anything is sent
             self.proxy.open(trajectory_id)
             spec = RolloutSpec(
                 env=cfg.task.env,
@@ -386,6 +423,8 @@ class ClientNode:
             sent = await self._send_once()
             if sent:
                 continue
+            if self._probe_due():
+                continue
             next_due = self.spool.next_due_at()
             wait = 1.0 if next_due is None else min(1.0, max(0.02, next_due - time.time()))
             self._sender_wake.clear()
@@ -420,7 +459,7 @@ class ClientNode:
         if not batch:
             return len(due)
         try:
-            reply = await self.transport.submit(
+            reply = await self._timed_submit(
                 [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
             )
         except (grpc.aio.AioRpcError, EndpointNotFound) as e:
@@ -437,7 +476,17 @@ class ClientNode:
             log.warning("submit of %d groups failed: %s; will resend", len(batch), _short(e))
             for item in batch:
                 self.spool.defer(item.id, self._resend_delay(item.attempts))
+            if self._link_down_since is None:
+                self._link_down_since = time.monotonic()
             return len(batch)
+        if self._link_down_since is not None:
+            # the link is back: everything deferred goes now, not after its backoff
+            resent = self.spool.retry_now()
+            log.info(
+                "server reachable again after %.1fs; resending %d deferred groups now",
+                time.monotonic() - self._link_down_since, resent,
+            )
+            self._link_down_since = None
         acks = {a.group_id: a for a in reply.acks}
         for item in batch:
             ack = acks.get(item.id)
@@ -448,6 +497,14 @@ class ClientNode:
             self._record_ack(item, outcome, ack.reason)
         return len(batch)
 
+    async def _timed_submit(self, groups: list[pb.TrajectoryGroup]) -> pb.SubmitReply:
+        """`transport.submit`, noting when it started (the status's liveness check)."""
+        self._submit_since = time.monotonic()
+        try:
+            return await self.transport.submit(groups)
+        finally:
+            self._submit_since = None
+
     def _record_ack(self, item: PendingGroup, outcome: Outcome, reason: str) -> None:
         self.spool.ack(item.id, outcome, reason)
         self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
@@ -455,6 +512,17 @@ class ClientNode:
             log.warning("group %s %s: %s", item.id, outcome, reason)
         if outcome == "revision":
             self.drain()  # the server refuses this revision: nothing more to do here
+
+    def _probe_due(self) -> bool:
+        """While the link is down, send the oldest deferred group every `probe_s` (a probe):
+        the first one that gets through makes everything else due at once."""
+        if self._link_down_since is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_probe < self.config.probe_s:
+            return False
+        self._last_probe = now
+        return self.spool.retry_now(limit=1) > 0
 
     def _resend_delay(self, attempts: int) -> float:
         cap = min(self.config.resend_max_s, self.config.resend_base_s * 2**attempts)
@@ -481,7 +549,12 @@ class ClientNode:
             await asyncio.sleep(self.config.status_interval_s)
 
     def status(self) -> dict[str, Any]:
-        reachable = self.transport.reachable
+        # a Submit unanswered for SILENT_S is a dead link even before its deadline (a
+        # blackholed connection: nothing is refused, gRPC keepalive may take longer)
+        silent = self._submit_since is not None and (
+            time.monotonic() - self._submit_since > SILENT_S
+        )
+        reachable = self.transport.reachable and not silent
         self.metrics.server_reachable.set(1 if reachable else 0)
         depth = self.spool.depth()
         self.metrics.spool_groups.set(depth)
@@ -498,6 +571,7 @@ class ClientNode:
             "groups_spooled": self.stats.groups_spooled,
             "spool_depth": depth,
             "spool_bytes": self.spool.bytes(),
+            "backpressure": self.backpressure,
             "server_reachable": reachable,
             "acks": dict(self.stats.acks),
             "dropped": dict(self.stats.dropped),

@@ -1,14 +1,20 @@
 """The client node's durable spool: trajectory groups wait here until the server acks them.
 
 One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FULL`, so a
-`put` that returned survives `kill -9` and power loss). Three tables:
+`put` that returned survives `kill -9` and power loss). Four tables:
 
+* `inflight` - one row per trajectory id of a rollout in progress (written before the
+  rollout starts). `put` and `drop` remove the rows in the same transaction, so a node
+  killed mid-rollout leaves them behind and its successor records them as `dropped(lost)`
+  (`recover_lost`): a crash loses rollouts, never half a group.
 * `pending`  - groups not yet acked: id, serialized `TrajectoryGroup` protobuf, trajectory
-  count, created_at, attempts, next_attempt_at. A group leaves only through `ack`.
+  count and ids, created_at, attempts, next_attempt_at. A group leaves only through `ack`.
 * `outcomes` - one row per acked group: accepted | duplicate | stale | invalid | revision,
-  with the server's reason.
+  with the server's reason and the group's trajectory ids.
 * `dropped`  - one row per trajectory the node gave up on before sending (timeout | failed |
-  dead-letter), with the error text and traceback.
+  dead-letter | lost), with the error text and traceback.
+
+The trajectory ids are what `jetctl.ledger` balances against the servers' stores.
 
 The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
 node's job, and `bytes` is what it reads. Used from one thread of one process; sqlite's
@@ -29,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision"]
-DropReason = Literal["timeout", "failed", "dead-letter"]
+DropReason = Literal["timeout", "failed", "dead-letter", "lost"]
 OUTCOMES: tuple[str, ...] = ("accepted", "duplicate", "stale", "invalid", "revision")
 
 _SCHEMA = """
@@ -55,7 +61,18 @@ CREATE TABLE IF NOT EXISTS dropped (
     error TEXT NOT NULL,
     time REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS inflight (
+    trajectory_id TEXT PRIMARY KEY,
+    group_id TEXT NOT NULL,
+    started_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS inflight_group ON inflight (group_id);
 """
+# columns added after the first release; spools written before them get them on open
+_ADDED_COLUMNS = (
+    ("pending", "trajectory_ids", "TEXT NOT NULL DEFAULT ''"),
+    ("outcomes", "trajectory_ids", "TEXT NOT NULL DEFAULT ''"),
+)
 
 
 @dataclass(frozen=True)
@@ -90,23 +107,58 @@ class Spool:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self._db.close()
 
     # ------------------------------------------------------------------ writes
 
-    def put(
-        self, group_id: str, payload: bytes, n_trajectories: int, now: float | None = None
-    ) -> None:
-        """Store a group durably (committed before return). Re-putting an id is a no-op."""
+    def start(self, group_id: str, trajectory_ids: list[str], now: float | None = None) -> None:
+        """Record the ids of rollouts about to start (one transaction for the group)."""
         t = time.time() if now is None else now
+        with self._tx():
+            self._db.executemany(
+                "INSERT OR IGNORE INTO inflight (trajectory_id, group_id, started_at)"
+                " VALUES (?, ?, ?)",
+                [(tid, group_id, t) for tid in trajectory_ids],
+            )
+
+    def recover_lost(self, error: str, now: float | None = None) -> int:
+        """Rollouts an earlier process of this node left in progress become `dropped(lost)`.
+        Call once at start, before any rollout; returns how many."""
+        t = time.time() if now is None else now
+        with self._tx():
+            n = self._db.execute(
+                "INSERT OR IGNORE INTO dropped (trajectory_id, reason, error, time)"
+                " SELECT trajectory_id, 'lost', ?, ? FROM inflight",
+                (error, t),
+            ).rowcount
+            self._db.execute("DELETE FROM inflight")
+        return int(n)
+
+    def put(
+        self,
+        group_id: str,
+        payload: bytes,
+        n_trajectories: int,
+        now: float | None = None,
+        trajectory_ids: list[str] | None = None,
+    ) -> None:
+        """Store a group durably (committed before return). Re-putting an id is a no-op.
+        The group's rollouts leave `inflight` in the same transaction."""
+        t = time.time() if now is None else now
+        ids = ",".join(trajectory_ids or [])
         with self._tx():
             self._db.execute(
                 "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
-                " next_attempt_at) VALUES (?, ?, ?, ?, 0, ?)",
-                (group_id, payload, n_trajectories, t, t),
+                " next_attempt_at, trajectory_ids) VALUES (?, ?, ?, ?, 0, ?, ?)",
+                (group_id, payload, n_trajectories, t, t, ids),
             )
+            self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
 
     def ack(
         self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
@@ -117,14 +169,14 @@ class Spool:
         t = time.time() if now is None else now
         with self._tx():
             row = self._db.execute(
-                "SELECT n_trajectories FROM pending WHERE id = ?", (group_id,)
+                "SELECT n_trajectories, trajectory_ids FROM pending WHERE id = ?", (group_id,)
             ).fetchone()
             if row is None:
                 return  # already acked (a retried Submit answered twice)
             self._db.execute(
-                "INSERT OR REPLACE INTO outcomes (group_id, n_trajectories, outcome, reason, time)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (group_id, row[0], outcome, reason, t),
+                "INSERT OR REPLACE INTO outcomes (group_id, n_trajectories, outcome, reason, time,"
+                " trajectory_ids) VALUES (?, ?, ?, ?, ?, ?)",
+                (group_id, row[0], outcome, reason, t, row[1]),
             )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
 
@@ -137,6 +189,18 @@ class Spool:
                 (t + delay_s, group_id),
             )
 
+    def retry_now(self, limit: int | None = None, now: float | None = None) -> int:
+        """Make deferred groups due now (the oldest `limit` of them, or all): the server is
+        reachable again, or a probe should go out. Attempts are kept. Returns how many."""
+        t = time.time() if now is None else now
+        with self._tx():
+            n = self._db.execute(
+                "UPDATE pending SET next_attempt_at = ? WHERE id IN (SELECT id FROM pending"
+                " WHERE next_attempt_at > ? ORDER BY created_at LIMIT ?)",
+                (t, t, -1 if limit is None else limit),
+            ).rowcount
+        return int(n)
+
     def drop(
         self, trajectory_id: str, reason: DropReason, error: str, now: float | None = None
     ) -> None:
@@ -148,6 +212,7 @@ class Spool:
                 " VALUES (?, ?, ?, ?)",
                 (trajectory_id, reason, error, t),
             )
+            self._db.execute("DELETE FROM inflight WHERE trajectory_id = ?", (trajectory_id,))
 
     def dead_letter(self, group_id: str, trajectory_ids: list[str], error: str) -> None:
         """Give up on a pending group that can never be sent (e.g. larger than the server's
@@ -178,6 +243,10 @@ class Spool:
         """When the earliest pending group becomes due (None when nothing is pending)."""
         row = self._db.execute("SELECT MIN(next_attempt_at) FROM pending").fetchone()
         return None if row[0] is None else float(row[0])
+
+    def inflight(self) -> int:
+        """Rollouts in progress (their ids are recorded, their group is not spooled yet)."""
+        return int(self._db.execute("SELECT COUNT(*) FROM inflight").fetchone()[0])
 
     def depth(self) -> int:
         """Pending groups."""

@@ -13,7 +13,10 @@
   are final and returned as they are; deciding what to do with them is the node's job.
 * `pull_weights` assembles the streamed chunks and checks size and sha256.
 
-Left out: TLS (plain channel on loopback / trusted networks) and SubmitStream.
+* With `run.tls` on (`tls=TlsFiles`), the channel is a secure one that trusts the run CA
+  and, in mtls, presents the client certificate (jetctl.tls).
+
+Left out: SubmitStream.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tenacity import (
 from jetctl.auth import bearer
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
+from jetctl.tls import TlsFiles
 
 if TYPE_CHECKING:
     from jetctl.client.proxy import GenerateParams, GenerateResult
@@ -115,6 +119,7 @@ class SwarmTransport:
         call_timeout_s: float = 30.0,
         generate_timeout_s: float = 300.0,
         retry: RetryPolicy = RetryPolicy(),
+        tls: TlsFiles | None = None,
     ) -> None:
         if run_dir is None and endpoint is None:
             raise ValueError("give run_dir (to read servers/<model>.json) or a fixed endpoint")
@@ -122,6 +127,8 @@ class SwarmTransport:
         self._token = token
         self._run_dir = run_dir
         self._fixed_endpoint = endpoint
+        # read once: a missing file fails here, at construction, not at the first call
+        self._credentials = tls.channel_credentials() if tls is not None else None
         self.call_timeout_s = call_timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.retry = retry
@@ -161,7 +168,12 @@ class SwarmTransport:
             return self._stub
         await self._close_channel()
         self.endpoint = endpoint
-        self._channel = grpc.aio.insecure_channel(endpoint, options=self._options())
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(endpoint, options=self._options())
+        else:
+            self._channel = grpc.aio.secure_channel(
+                endpoint, self._credentials, options=self._options()
+            )
         self._stub = pb_grpc.SwarmStub(self._channel)
         return self._stub
 

@@ -1,8 +1,8 @@
 """gRPC glue of the controller: the `Control` servicer, its token check, and the calls the
 controller makes to the swarm servers (health, `Status`).
 
-The servicer is thin: it hands each request to the `Controller`. `SwapClients` and `Scale`
-answer UNIMPLEMENTED until rolling swaps land.
+The servicer is thin: it hands each request to the `Controller`. `Scale` answers
+UNIMPLEMENTED for now.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cgrpc
 from jetctl.proto._gen import swarm_pb2 as spb
 from jetctl.proto._gen import swarm_pb2_grpc as sgrpc
+from jetctl.tls import TlsFiles, add_port, channel
 
 if TYPE_CHECKING:
     from jetctl.controller.controller import Controller
@@ -64,10 +65,18 @@ class ControlServicer(cgrpc.ControlServicer):
         return cpb.DownReply(ok=True, message="draining: clients first, then servers")
 
     def SwapClients(self, request: cpb.SwapRequest, context: grpc.ServicerContext) -> cpb.SwapReply:
-        msg = "swap-clients is not implemented by this controller yet (rolling swaps come next)"
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details(msg)
-        return cpb.SwapReply(ok=False, message=msg)
+        """Blocks until the swap is done (new nodes healthy, old ones drained) or undone."""
+        result = self._c.swap_clients(
+            request.task,
+            image=request.image or None,
+            agent=request.agent or None,
+            grace_s=request.grace_s if request.grace_s > 0 else None,
+            drop_old=request.drop_old,
+        )
+        if not result.ok:
+            context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            context.set_details(result.message)
+        return cpb.SwapReply(ok=result.ok, message=result.message, revision=result.revision)
 
     def Scale(self, request: cpb.ScaleRequest, context: grpc.ServicerContext) -> cpb.ScaleReply:
         msg = (
@@ -79,14 +88,17 @@ class ControlServicer(cgrpc.ControlServicer):
         return cpb.ScaleReply(ok=False, message=msg)
 
 
-def serve_control(controller: Controller, token: str, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
-    """Start the Control service on a free port of `host`; returns (server, port)."""
+def serve_control(
+    controller: Controller, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None
+) -> tuple[grpc.Server, int]:
+    """Start the Control service on a free port of `host` (TLS when the run uses it);
+    returns (server, port)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
         interceptors=[TokenInterceptor(token)],
     )
     cgrpc.add_ControlServicer_to_server(ControlServicer(controller), server)
-    port = server.add_insecure_port(f"{host}:0")
+    port = add_port(server, f"{host}:0", tls)
     server.start()
     return server, port
 
@@ -94,11 +106,13 @@ def serve_control(controller: Controller, token: str, host: str = "127.0.0.1") -
 class ServerProbe:
     """Health and `Status` calls to one swarm server, on one cached channel."""
 
-    def __init__(self, endpoint: str, token: str, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, endpoint: str, token: str, timeout_s: float = 1.0, tls: TlsFiles | None = None
+    ) -> None:
         self.endpoint = endpoint
         self._token = token
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(endpoint)
+        self._channel = channel(endpoint, tls)
 
     def healthy(self) -> bool:
         """gRPC health says SERVING (health needs no token)."""
@@ -133,11 +147,16 @@ def status_to_dict(reply: spb.StatusReply) -> dict[str, Any]:
 
 
 def call_control(
-    endpoint: str, token: str, method: str, request: Any, timeout_s: float = 5.0
+    endpoint: str,
+    token: str,
+    method: str,
+    request: Any,
+    timeout_s: float = 5.0,
+    tls: TlsFiles | None = None,
 ) -> Any:
-    """One Control RPC with the run token; raises grpc.RpcError."""
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = cgrpc.ControlStub(channel)
+    """One Control RPC with the run token (over TLS when `tls`); raises grpc.RpcError."""
+    with channel(endpoint, tls) as ch:
+        stub = cgrpc.ControlStub(ch)
         return getattr(stub, method)(request, metadata=auth.bearer(token), timeout=timeout_s)
 
 

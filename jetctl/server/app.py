@@ -25,15 +25,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jetctl.auth import read_token
+from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.recipe import ModelConfig
+from jetctl.revisions import read_refused
 from jetctl.server.admission import Limits
 from jetctl.server.engine import HFEngine
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.store import GroupCodec, TrajectoryStore
 from jetctl.server.trainer import Trainer
+from jetctl.tls import TlsFiles, add_port
 
 log = logging.getLogger("jetctl.server")
+STALL_TIMEOUT_S = 900.0  # a step or generation batch running longer is a hang
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ServerOptions:
     port: int
     metrics_port: int = 0
     train: bool = True  # False: serve and store only (benchmarks)
+    tls: TlsFiles | None = None  # run.tls; None: plaintext
 
 
 def resolve_token(run_dir: Path) -> str:
@@ -98,10 +103,12 @@ async def serve(opts: ServerOptions) -> int:
     model, tokenizer = load_trainable(cfg)
     metrics = ServerMetrics()
     lock = threading.Lock()
+    faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
     store = TrajectoryStore(server_dir / "store.sqlite", decode=GroupCodec())
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
         steps_log=opts.run_dir / "metrics" / f"{opts.name}.steps.jsonl", on_step=metrics.on_step,
+        faults=faults,
     )
     version = trainer.resume()
     buffered = store.open(trained_through_step=version)
@@ -137,7 +144,7 @@ async def serve(opts: ServerOptions) -> int:
 
     limit = cfg.limits.max_message_bytes
     server = grpc.aio.server(
-        interceptors=[auth_interceptor(opts.token, service.refuse)],
+        interceptors=[auth_interceptor(opts.token, service.refuse), drop_ack_interceptor(faults)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -156,7 +163,7 @@ async def serve(opts: ServerOptions) -> int:
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{cfg.host}:{opts.port}")
+    port = add_port(server, f"{cfg.host}:{opts.port}", opts.tls)
     if port == 0:
         raise SystemExit(f"cannot bind {cfg.host}:{opts.port}")
     await server.start()
@@ -171,7 +178,8 @@ async def serve(opts: ServerOptions) -> int:
         trainer.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    _write_endpoint(opts, port, metrics_port, trainer.version)
+    service.refused_revisions = read_refused(opts.run_dir, opts.name)
+    _write_endpoint(opts, port, metrics_port, trainer.version, service.refused_revisions)
     log.info("serving %s on %s:%d (metrics :%d)", opts.name, cfg.host, port, metrics_port)
 
     stop = asyncio.Event()
@@ -186,7 +194,17 @@ async def serve(opts: ServerOptions) -> int:
         if trainer.error is not None:
             log.error("trainer failed: %r", trainer.error)
             break
-        _write_endpoint(opts, port, metrics_port, trainer.version)
+        stalled = _stalled(trainer.busy_since, engine.busy_since, STALL_TIMEOUT_S)
+        if stalled:
+            # a hang is a loud error, never a silent stall: die like a crash (everything
+            # acked is durable) and let the controller restart from the last checkpoint
+            log.critical("%s; exiting so the controller restarts this server", stalled)
+            os._exit(70)
+        # swap-clients --drop-old: the controller's file (jetctl/revisions.py)
+        service.refused_revisions = read_refused(opts.run_dir, opts.name)
+        _write_endpoint(
+            opts, port, metrics_port, trainer.version, service.refused_revisions
+        )
 
     log.info("draining: finishing the current step and checkpointing")
     await health_servicer.enter_graceful_shutdown()
@@ -198,7 +216,19 @@ async def serve(opts: ServerOptions) -> int:
     return 1 if trainer.error is not None else 0
 
 
-def _write_endpoint(opts: ServerOptions, port: int, metrics_port: int, version: int) -> None:
+def _stalled(train_since: float | None, generate_since: float | None, limit_s: float) -> str:
+    """Why the server is stuck ('' when it is not): a step or a batch older than limit_s."""
+    now = time.monotonic()
+    for what, since in (("a training step", train_since), ("a generation batch", generate_since)):
+        if since is not None and now - since > limit_s:
+            return f"{what} has run for {now - since:.0f}s (> {limit_s:.0f}s)"
+    return ""
+
+
+def _write_endpoint(
+    opts: ServerOptions, port: int, metrics_port: int, version: int,
+    refused: frozenset[str] = frozenset(),
+) -> None:
     path = opts.run_dir / "servers" / f"{opts.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -208,6 +238,7 @@ def _write_endpoint(opts: ServerOptions, port: int, metrics_port: int, version: 
         "metrics": f"{opts.cfg.host}:{metrics_port}",
         "pid": os.getpid(),
         "version": version,
+        "refused_revisions": sorted(refused),
     }))
     os.replace(tmp, path)
 

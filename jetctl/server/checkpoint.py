@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,9 @@ def _write(path: Path, data: bytes) -> None:
 
 def save(
     root: Path, model: Any, optimizer: torch.optim.Optimizer, version: int,
-    trainer_state: dict[str, Any], keep: int,
+    trainer_state: dict[str, Any], keep: int, before_manifest: Callable[[], None] | None = None,
 ) -> Path:
+    """Write `step-<version>/` (manifest last); `before_manifest` is a fault hook."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{version:08d}"
     tmp = root / f"step-{version:08d}.partial"
@@ -68,6 +70,8 @@ def save(
     if payload.adapter_config_json:
         _write(tmp / "adapter_config.json", payload.adapter_config_json.encode())
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    if before_manifest is not None:
+        before_manifest()
     manifest = {"version": version, "kind": payload.kind, "time": time.time(), "files": files}
     _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last
     shutil.rmtree(final, ignore_errors=True)
@@ -98,6 +102,9 @@ def latest(root: Path) -> Path | None:
 
 
 def restore(root: Path, model: Any, optimizer: torch.optim.Optimizer) -> Restored | None:
+    # a crash mid-checkpoint leaves step-N.partial/: never complete, never loaded
+    for partial in root.glob("step-*.partial") if root.is_dir() else []:
+        shutil.rmtree(partial, ignore_errors=True)
     path = latest(root)
     if path is None:
         return None

@@ -77,6 +77,7 @@ class HFEngine:
         self._wakeup: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task[None] | None = None
+        self.busy_since: float | None = None  # monotonic start of the batch under way (watchdog)
 
     def start(self) -> None:
         self._wakeup = asyncio.Event()
@@ -114,6 +115,7 @@ class HFEngine:
             live = [p for p in batch if not p.future.cancelled()]
             if not live:
                 continue
+            self.busy_since = time.monotonic()
             try:
                 results = await loop.run_in_executor(
                     self._executor, self._generate_batch, [p.req for p in live]
@@ -123,6 +125,8 @@ class HFEngine:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
+            finally:
+                self.busy_since = None
             for p, r in zip(live, results):
                 if not p.future.done():
                     p.future.set_result(r)

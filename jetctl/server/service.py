@@ -9,6 +9,7 @@ server options (RESOURCE_EXHAUSTED before anything is buffered whole).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -18,14 +19,17 @@ from google.protobuf.message import DecodeError
 
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_from_pb
-from jetctl.server.admission import Limits, check_generate, check_group
+from jetctl.server.admission import Limits, check_generate, check_group, check_shape
 from jetctl.server.engine import GenRequest, HFEngine
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.store import TrajectoryStore
 from jetctl.server.trainer import Trainer
 
 SERVICE = "jetctl.swarm.v1.Swarm"
+log = logging.getLogger("jetctl.server")
 CHUNK_BYTES = 1 << 20
+MAX_TASK_LABELS = 64  # distinct `task` label values; more would grow /metrics without bound
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
 ACK_CODES = {
     "accepted": pb.Ack.ACCEPTED,
     "duplicate": pb.Ack.DUPLICATE,
@@ -69,6 +73,7 @@ class SwarmService:
         self.refused_calls: dict[str, int] = {}
         self.tokens_generated = 0
         self._accepted_times: list[tuple[float, int]] = []
+        self._task_labels: set[str] = set()
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -120,18 +125,22 @@ class SwarmService:
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
         req = await self._parse(raw, pb.GenerateRequest, context)
-        prompt = list(req.prompt_ids)
-        reason = check_generate(req.model, prompt, req.max_tokens, self.limits, self.max_new_tokens)
+        temperature = req.temperature if req.HasField("temperature") else 1.0
+        reason = check_generate(
+            req.model, req.prompt_ids, req.max_tokens, self.limits, self.max_new_tokens,
+            temperature=temperature,
+        )
         if reason:
             self.refuse("invalid_generate")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        prompt = list(req.prompt_ids)  # measured above, so at most max_context_tokens
         room = self.limits.max_context_tokens - len(prompt)
         max_tokens = min(req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
         result = await self.engine.generate(
             GenRequest(
                 prompt_ids=prompt,
                 max_tokens=max_tokens,
-                temperature=req.temperature if req.HasField("temperature") else 1.0,
+                temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
                 top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
                 stop_token_ids=tuple(req.stop_token_ids),
             )
@@ -147,6 +156,7 @@ class SwarmService:
 
     async def submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.SubmitReply:
         req = await self._parse(raw, pb.SubmitRequest, context)
+        await self._check_count(req, context)
         reply = await self._submit(req)
         if reply.acks and all(a.code == pb.Ack.INVALID for a in reply.acks):
             # nothing in the request was usable: refuse the call as a whole
@@ -161,7 +171,26 @@ class SwarmService:
     ) -> AsyncIterator[pb.SubmitReply]:
         async for raw in requests:
             req = await self._parse(raw, pb.SubmitRequest, context)
+            await self._check_count(req, context)
             yield await self._submit(req)
+
+    async def _check_count(self, req: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> None:
+        """Many tiny groups fit under the byte cap; each costs work and an ack: cap them."""
+        if len(req.groups) > self.limits.max_groups_per_submit:
+            self.refuse("too_many_groups")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(req.groups)} groups in one Submit > {self.limits.max_groups_per_submit}: "
+                "send them in several calls",
+            )
+
+    def _task_label(self, task: str) -> str:
+        if task in self._task_labels:
+            return task
+        if not task or len(task) > 64 or len(self._task_labels) >= MAX_TASK_LABELS:
+            return "?" if not task else "other"
+        self._task_labels.add(task)
+        return task
 
     async def _submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
         if not req.groups:
@@ -170,9 +199,22 @@ class SwarmService:
         futures = []
         acks: list[pb.Ack | None] = []
         for gm in req.groups:
+            self.metrics.received.labels(task=self._task_label(gm.task)).inc(len(gm.trajectories))
+            shape = check_shape(gm, self.limits)
+            if shape:  # refused before it is copied into Python objects
+                self.metrics.rejected.labels(reason="invalid").inc(len(gm.trajectories))
+                # an id this long is refused; echoing it whole could push the reply past the cap
+                gid = gm.id[: self.limits.max_id_chars]
+                acks.append(pb.Ack(group_id=gid, code=pb.Ack.INVALID, reason=f"invalid: {shape}"))
+                continue
             g = group_from_pb(gm)
-            self.metrics.received.labels(task=g.task or "?").inc(len(g.trajectories))
             verdict = check_group(g, self.limits, version, self.refused_revisions)
+            known = self.store.recorded(g.id) if verdict.outcome == "invalid" else None
+            if known is not None:
+                # a resend of a group stored before (its ack was lost, and e.g. a restart
+                # from an older checkpoint makes its versions look ahead): its outcome stands
+                acks.append(pb.Ack(group_id=g.id, code=ACK_CODES[known.outcome], reason=known.reason))
+                continue
             if verdict.outcome == "invalid":
                 # invalid groups are not stored: they may be garbage of any size
                 self.metrics.rejected.labels(reason="invalid").inc(len(g.trajectories))
@@ -199,7 +241,11 @@ class SwarmService:
         if req.have_version == self.trainer.version:
             return
         t0 = time.monotonic()
-        payload = await asyncio.to_thread(self.trainer.weights_payload)
+        try:
+            payload = await asyncio.to_thread(self.trainer.weights_payload)
+        except TimeoutError as e:  # a hung step holds the weights: fail loudly, never stall
+            log.error("PullWeights: %s", e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"weights not available: {e}")
         total = len(payload.data)
         for offset in range(0, max(total, 1), CHUNK_BYTES):
             yield pb.WeightsChunk(

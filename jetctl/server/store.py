@@ -8,6 +8,12 @@ are committed together by one writer thread (group commit): one fsync covers man
 Duplicates are recognised by group id across restarts: a resubmitted group gets its
 recorded outcome again (DUPLICATE if it was accepted, its rejection otherwise).
 
+For the ledger (`jetctl.ledger`) each row keeps its trajectory ids, and two append-only
+tables keep the history: `epochs` (one row per `open`, with the checkpoint version it
+resumed from) and `train_log` (group, step, epoch for every `mark_trained`). Steps of an
+epoch past the version the next epoch resumed from were lost with the crash; what survives
+must train each group at most once.
+
 Left out: a remote (fsspec) store; the buffer of accepted groups is held in memory too,
 bounded by `max_buffer_groups` (oldest are rejected as stale first by the trainer).
 """
@@ -38,9 +44,21 @@ CREATE TABLE IF NOT EXISTS groups (
     reason TEXT NOT NULL DEFAULT '',
     step INTEGER,                   -- the optimizer step that trained it
     received_at REAL NOT NULL,
-    payload BLOB                    -- serialized TrajectoryGroup (dropped once trained)
+    payload BLOB,                   -- serialized TrajectoryGroup (dropped once trained)
+    trajectory_ids TEXT NOT NULL DEFAULT '',  -- comma-separated, for the ledger
+    revisions TEXT NOT NULL DEFAULT ''  -- the trajectories' client_revision, comma-separated
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
+CREATE TABLE IF NOT EXISTS epochs (
+    epoch INTEGER PRIMARY KEY,      -- 1, 2, ...: one per server start
+    resumed_from INTEGER NOT NULL,  -- the checkpoint version it restored
+    started_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS train_log (
+    group_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    epoch INTEGER NOT NULL
+);
 """
 
 
@@ -76,6 +94,14 @@ class TrajectoryStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(groups)")}
+        if "trajectory_ids" not in have:  # a store written before the column existed
+            self._db.execute(
+                "ALTER TABLE groups ADD COLUMN trajectory_ids TEXT NOT NULL DEFAULT ''"
+            )
+        if "revisions" not in have:  # a store written before swaps recorded revisions
+            self._db.execute("ALTER TABLE groups ADD COLUMN revisions TEXT NOT NULL DEFAULT ''")
+        self.epoch = 0
         self._db_lock = threading.Lock()
         self._buffer: deque[StoredGroup] = deque()
         self._buffer_cond = threading.Condition()
@@ -93,10 +119,18 @@ class TrajectoryStore:
         surviving model's history). Returns how many groups are buffered.
         """
         with self._db_lock:
+            self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
                 "UPDATE groups SET state='buffered', step=NULL WHERE state='trained' AND step > ?",
                 (trained_through_step,),
             )
+            last = self._db.execute("SELECT COALESCE(MAX(epoch), 0) FROM epochs").fetchone()[0]
+            self.epoch = int(last) + 1
+            self._db.execute(
+                "INSERT INTO epochs (epoch, resumed_from, started_at) VALUES (?, ?, ?)",
+                (self.epoch, trained_through_step, time.time()),
+            )
+            self._db.execute("COMMIT")
             rows = self._db.execute(
                 "SELECT payload, received_at FROM groups WHERE state='buffered' "
                 "ORDER BY received_at"
@@ -166,7 +200,8 @@ class TrajectoryStore:
                         reason = req.outcome
                     self._db.execute(
                         "INSERT INTO groups (id, task, n_traj, min_version, state, reason, "
-                        "received_at, payload) VALUES (?,?,?,?,?,?,?,?)",
+                        "received_at, payload, trajectory_ids, revisions) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?)",
                         (
                             g.id,
                             g.task,
@@ -176,6 +211,8 @@ class TrajectoryStore:
                             reason,
                             now,
                             req.payload if state == "buffered" else None,
+                            ",".join(t.id for t in g.trajectories),
+                            ",".join(sorted({t.client_revision for t in g.trajectories})),
                         ),
                     )
                     results.append(PutResult(req.outcome, req.reason))
@@ -187,14 +224,27 @@ class TrajectoryStore:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
             for req in batch:
-                req.future.set_exception(exc)
+                if not req.future.cancelled():
+                    req.future.set_exception(exc)
             return
         if accepted:
             with self._buffer_cond:
                 self._buffer.extend(accepted)
                 self._buffer_cond.notify_all()
         for req, res in zip(batch, results):
-            req.future.set_result(res)
+            # a caller that gave up (its Submit was cancelled at its deadline) cancelled the
+            # future; the row is committed all the same and a resend hears DUPLICATE. Setting
+            # a cancelled future raises, which killed this thread and stalled every Submit.
+            if not req.future.cancelled():
+                req.future.set_result(res)
+
+    def recorded(self, group_id: str) -> PutResult | None:
+        """The outcome a group already stored would get again (None: never stored)."""
+        with self._db_lock:
+            row = self._db.execute(
+                "SELECT state, reason FROM groups WHERE id=?", (group_id,)
+            ).fetchone()
+        return None if row is None else _recorded_outcome(row[0], row[1])
 
     # --- the trainer's side ----------------------------------------------------------
 
@@ -222,6 +272,10 @@ class TrajectoryStore:
             self._db.executemany(
                 "UPDATE groups SET state='trained', step=? WHERE id=?",
                 [(step, gid) for gid in group_ids],
+            )
+            self._db.executemany(
+                "INSERT INTO train_log (group_id, step, epoch) VALUES (?, ?, ?)",
+                [(gid, step, self.epoch) for gid in group_ids],
             )
             self._db.execute("COMMIT")
 

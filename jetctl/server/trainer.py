@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from jetctl.faults import Faults
 from jetctl.recipe import ModelConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
@@ -59,6 +60,7 @@ class Trainer:
         checkpoint_dir: Path,
         steps_log: Path,
         on_step: Callable[[dict[str, float]], None] | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -67,6 +69,7 @@ class Trainer:
         self.checkpoint_dir = checkpoint_dir
         self.steps_log = steps_log
         self.on_step = on_step
+        self.faults = faults or Faults()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -80,6 +83,7 @@ class Trainer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -111,7 +115,9 @@ class Trainer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and not self.done:
+                self.busy_since = time.monotonic()
                 self.step_once(wait_s=0.5)
+                self.busy_since = None
         except BaseException as exc:  # surfaced through Status and the server log
             self.error = exc
             raise
@@ -254,12 +260,23 @@ class Trainer:
 
     # --- publishing and checkpoints -----------------------------------------------------
 
-    def weights_payload(self) -> W.WeightsPayload:
-        """The current version's trainable weights, serialized once per version."""
+    def weights_payload(self, lock_timeout_s: float = 120.0) -> W.WeightsPayload:
+        """The current version's trainable weights, serialized once per version.
+
+        Raises TimeoutError when the weights lock stays held longer than `lock_timeout_s`
+        (a hung step or generation): PullWeights fails loudly instead of stalling.
+        """
         with self._payload_lock:
             if self._payload is None or self._payload.version != self.version:
-                with self.lock:
+                if not self.lock.acquire(timeout=lock_timeout_s):
+                    raise TimeoutError(
+                        f"the weights lock was held for more than {lock_timeout_s:g}s "
+                        "(a training step or generation batch hangs)"
+                    )
+                try:
                     self._payload = W.snapshot(self.model, self.version)
+                finally:
+                    self.lock.release()
             return self._payload
 
     def checkpoint(self) -> Path:
@@ -267,6 +284,7 @@ class Trainer:
             path = ckpt.save(
                 self.checkpoint_dir, self.model, self.optimizer, self.version,
                 {"version": self.version, "time": time.time()}, keep=self.cfg.checkpoint.keep,
+                before_manifest=lambda: self.faults.pause("stall_checkpoint"),
             )
         self.figures.last_checkpoint_version = self.version
         self.figures.last_checkpoint_time = time.time()

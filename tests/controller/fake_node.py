@@ -2,10 +2,12 @@
 
     python fake_node.py server --recipe R --model M --run-dir D --port P
     python fake_node.py client --recipe R --task T --index I --run-dir D --revision REV
+        [--name N] [--agent A]
 
 The server serves gRPC health and a Swarm `Status` (token checked) whose model_version rises
 every FAKE_STEP_S seconds, writes `servers/<model>.json` and `metrics/<model>.steps.jsonl`.
-The client writes `nodes/<task>-<index>.json` every 0.2 s. Both append "start"/"sigterm"
+The client writes `nodes/<name>.json` (default name `<task>-<index>`) every 0.2 s, with
+its agent; the server echoes `refused/<model>.json` in its servers file, as the real one. Both append "start"/"sigterm"
 lines to `<run_dir>/fake_events.log` and exit 0 on SIGTERM, unless their node name is in
 FAKE_IGNORE_TERM (comma-separated): then only SIGKILL ends them.
 """
@@ -89,7 +91,14 @@ def run_server(a: argparse.Namespace) -> None:
     steps = run_dir / "metrics" / f"{a.model}.steps.jsonl"
     steps.parent.mkdir(parents=True, exist_ok=True)
     written = 0
+    refused_file = run_dir / "refused" / f"{a.model}.json"
     while not STOP.wait(0.05):
+        if refused_file.is_file():
+            refused = json.loads(refused_file.read_text())["revisions"]
+            info = json.loads((run_dir / "servers" / f"{a.model}.json").read_text())
+            if info.get("refused_revisions") != refused:
+                write_json(run_dir / "servers" / f"{a.model}.json",
+                           {**info, "refused_revisions": refused})
         while written < version():
             written += 1
             with open(steps, "a") as f:
@@ -99,7 +108,7 @@ def run_server(a: argparse.Namespace) -> None:
 
 
 def run_client(a: argparse.Namespace) -> None:
-    run_dir, name = Path(a.run_dir), f"{a.task}-{a.index}"
+    run_dir, name = Path(a.run_dir), a.name or f"{a.task}-{a.index}"
     done = 0
     while not STOP.wait(0.2):
         done += 1
@@ -108,7 +117,7 @@ def run_client(a: argparse.Namespace) -> None:
             "revision": a.revision, "rollouts_done": done, "rollouts_failed": 0,
             "rollouts_timeout": 0, "groups_spooled": done, "spool_depth": 1,
             "spool_bytes": 10, "server_reachable": True, "acks": {"ACCEPTED": done},
-            "dropped": {}, "pid": os.getpid(), "updated_at": time.time(),
+            "dropped": {}, "pid": os.getpid(), "updated_at": time.time(), "agent": a.agent,
         })
 
 
@@ -123,8 +132,10 @@ def main() -> None:
     p.add_argument("--task")
     p.add_argument("--index", type=int)
     p.add_argument("--revision", default="r0")
+    p.add_argument("--name")
+    p.add_argument("--agent")
     a = p.parse_args()
-    name = f"server-{a.model}" if a.kind == "server" else f"{a.task}-{a.index}"
+    name = f"server-{a.model}" if a.kind == "server" else a.name or f"{a.task}-{a.index}"
     run_dir = Path(a.run_dir)
     on_term(run_dir, name)
     event(run_dir, name, "start")

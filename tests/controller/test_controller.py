@@ -73,13 +73,14 @@ def test_start_status_and_down_drains_clients_before_servers(make_controller, ru
     assert res.exit_code == 0, res.output
     assert '"servers"' in res.output and '"spool_depth"' in res.output
 
-    # the token is required; swap is not there yet, and says so
+    # the token is required; a swap without a new image or agent is refused, saying so
     with pytest.raises(grpc.RpcError) as e:
         call_control(ctl.endpoint, "wrong", "Status", cpb.RunStatusRequest())
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as e:
         call_control(ctl.endpoint, token, "SwapClients", cpb.SwapRequest(task="arith"))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--agent" in (e.value.details() or "")
 
     reply = call_control(ctl.endpoint, token, "Down", cpb.DownRequest(grace_s=5))
     assert reply.ok

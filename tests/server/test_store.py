@@ -84,3 +84,17 @@ def test_ack_survives_kill_9(tmp_path: Path) -> None:
     store = _open(tmp_path / "s.sqlite")
     assert [s.group.id for s in store.take(1, timeout_s=0.1)] == [acked]
     store.close()
+
+
+def test_a_cancelled_put_does_not_stop_the_writer(tmp_path: Path) -> None:
+    """A Submit cancelled at its deadline cancels its future; the group is still committed
+    and the writer keeps serving later puts (it used to die on set_result)."""
+    store = _open(tmp_path / "s.sqlite")
+    store._db_lock.acquire()  # hold the writer so the future is still pending
+    g1, g2 = make_group(), make_group()
+    fut = store.put(g1, group_to_pb(g1).SerializeToString())
+    assert fut.cancel()
+    store._db_lock.release()
+    assert store.put(g2, group_to_pb(g2).SerializeToString()).result(5).outcome == "accepted"
+    assert store.put(g1, group_to_pb(g1).SerializeToString()).result(5).outcome == "duplicate"
+    store.close()

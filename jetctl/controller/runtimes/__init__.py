@@ -1,4 +1,6 @@
 """Runtimes: how nodes are started, watched, stopped and listed (`base.Runtime`).
 
-`process.ProcessRuntime`: subprocesses on this host. Docker comes next.
+`process.ProcessRuntime`: subprocesses on this host. `docker.DockerRuntime`: one container
+per client node (the `docker` SDK; `pip install 'jetctl[docker]'`), imported only when a
+task asks for `runtime: docker`.
 """

@@ -1,9 +1,10 @@
 """The runtime interface: how the controller starts, watches, stops and lists nodes.
 
-The controller only talks to `Runtime`; `process` (subprocesses on this host) implements it
-here, `docker` (one container per client node) comes next. A node is described by a
-`NodeSpec` and known afterwards by a `NodeHandle`, which carries what a later controller
-needs to adopt it again (`list`). Left out: resource limits and placement (docker's job).
+The controller only talks to `Runtime`; `process` (subprocesses on this host) and `docker`
+(one container per client node, `docker.py`) implement it. A node is described by a
+`NodeSpec` (plus a `ContainerSpec` for docker) and known afterwards by a `NodeHandle`,
+which carries what a later controller needs to adopt it again (`list`). Left out:
+placement on other hosts (a cluster runtime on Ray or Kubernetes comes later).
 """
 
 from __future__ import annotations
@@ -20,10 +21,26 @@ NodeKind = Literal["server", "client"]
 
 
 @dataclass(frozen=True)
+class ContainerSpec:
+    """How the docker runtime runs a node: image, limits and the host paths it needs.
+
+    Every mount keeps its host path inside the container, so the run dir's files
+    (token, servers/*.json, nodes/, spool/) and the recipe are where the node looks.
+    """
+
+    image: str
+    cpus: float | None = None
+    memory: str | None = None  # docker byte size: 512m, 2g
+    pids: int | None = None
+    shm: str | None = None
+    mounts: tuple[tuple[Path, bool], ...] = ()  # (host path, read_only), mounted at that path
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """What to run for one node: a server (one per model) or a client node (N per task)."""
 
-    name: str  # server-<model> | <task>-<index>; unique in a run, safe as a file name
+    name: str  # server-<model> | <task>-<index>[-<revision>]; unique in a run, a file name
     kind: NodeKind
     argv: list[str]
     log_path: Path
@@ -34,6 +51,7 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the controller's environment
     cwd: Path | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    container: ContainerSpec | None = None  # runtime: docker only
 
 
 @dataclass
@@ -84,6 +102,14 @@ class Runtime(ABC):
     @abstractmethod
     def release(self, handle: NodeHandle) -> None:
         """Forget an exited node (its pid file, its stopped container)."""
+
+    def prune(self, run: str) -> int:
+        """Remove what exited nodes of the run left behind (stopped containers); returns
+        how many. Running nodes are left to `list` (adopt) and `stop_all`."""
+        return 0
+
+    def close(self) -> None:
+        """Release connections to the engine, if any."""
 
     def stop(self, handle: NodeHandle, grace_s: float) -> NodeState:
         """SIGTERM, wait up to `grace_s`, then SIGKILL."""

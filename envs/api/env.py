@@ -1,0 +1,223 @@
+"""ApiEnv / ApiSession (see the package docstring for the tasks and reward)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import secrets
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.api.service import (
+    PRODUCTS,
+    ApiServer,
+    ApiState,
+    Dataset,
+    RateLimiter,
+    Secret,
+    User,
+    make_dataset,
+)
+from jetctl.env import Task
+
+TASK_KINDS = ("shipped_total", "units")
+METHODS = ("GET", "POST")
+GUIDE = (
+    "Use the http tool on the shop's REST API (JSON; credentials are added for you). "
+    "Endpoints: GET /v1/users?name=<part of a name>, GET /v1/users/<id>, "
+    "GET /v1/users/<id>/orders?page=N (follow next_page), GET /v1/orders/<id> (items with "
+    'qty and unit_price_cents), POST /v1/answers with {{"task_id": "{task_id}", '
+    '"answer": <integer>}}. Only the first answer counts.'
+)
+
+
+class ApiToolError(ValueError):
+    """A tool call the session refuses (told to the model as the tool's result)."""
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    status: int
+    body: str
+    retry_after: str | None
+    waited_s: float
+
+
+@dataclass
+class ApiSession:
+    """One rollout: its own service (own rate-limit bucket and answers); `http()` calls it."""
+
+    task: Task
+    server: ApiServer
+    api_key: Secret = field(repr=False)
+    max_retries_429: int = 3
+    max_wait_s: float = 10.0
+    max_body_chars: int = 4000
+    calls: int = 0
+    closed: bool = False
+
+    def request(self, method: str, path: str, body: Any = None) -> HttpReply:
+        """One HTTP call to the service with the credential added; a 429 is waited out
+        (Retry-After seconds, at most `max_wait_s` each) and retried up to `max_retries_429`
+        times. Only paths on the service are accepted, so the credential goes nowhere else."""
+        method = method.upper()
+        if method not in METHODS:
+            raise ApiToolError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if not path.startswith("/") or path.startswith("//"):
+            raise ApiToolError(f"path must start with a single '/', like /v1/users, got {path!r}")
+        waited = 0.0
+        for attempt in range(self.max_retries_429 + 1):
+            reply = self._send(method, path, body)
+            if reply.status != 429 or attempt == self.max_retries_429:
+                return HttpReply(reply.status, reply.body, reply.retry_after, waited)
+            wait = _retry_after_s(reply.retry_after)
+            if wait > self.max_wait_s:
+                return HttpReply(reply.status, reply.body, reply.retry_after, waited)
+            time.sleep(wait)
+            waited += wait
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def http(self, method: str, path: str, body: Any = None) -> str:
+        """`request` as text for the model: status line, then the JSON body."""
+        reply = self.request(method, path, body)
+        note = f" (waited {reply.waited_s:g}s for the rate limit)" if reply.waited_s else ""
+        text = reply.body
+        if len(text) > self.max_body_chars:
+            text = text[: self.max_body_chars] + "[...]"
+        return f"HTTP {reply.status}{note}\n{text}"
+
+    def _send(self, method: str, path: str, body: Any) -> HttpReply:
+        self.calls += 1
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server.base_url + path, data=data, method=method)
+        req.add_header("Authorization", "Bearer " + self.api_key.reveal())
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return HttpReply(resp.status, resp.read().decode(errors="replace"), None, 0.0)
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            return HttpReply(e.code, text, e.headers.get("Retry-After"), 0.0)
+        except urllib.error.URLError as e:  # the message names the reason, never the headers
+            raise ApiToolError(f"the API could not be reached: {e.reason}") from None
+
+    @property
+    def answered(self) -> bool:
+        """Whether an answer for this task was submitted."""
+        return self.task.id in self.server.state.answers
+
+    def reward(self) -> float:
+        """1.0 if the service holds the right answer for this task, else 0.0."""
+        answer = self.server.state.answers.get(self.task.id)
+        return 1.0 if _as_int(answer) == self.task.data["answer"] else 0.0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.server.close()
+
+
+def _task_id(seed: int, kind: str, *parts: str) -> str:
+    """Stable, and opaque: the id is in the prompt and must not give the user id away."""
+    digest = hashlib.sha256(":".join([str(seed), kind, *parts]).encode()).hexdigest()[:12]
+    return f"api-{kind}-{digest}"
+
+
+def _retry_after_s(value: str | None) -> float:
+    """Retry-After in seconds (the delta-seconds form; 1 s when absent or a date)."""
+    try:
+        return max(0.0, float(value)) if value is not None else 1.0
+    except ValueError:
+        return 1.0
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
+@dataclass
+class ApiEnv:
+    """Multi-call lookup tasks over a dataset fixed by `seed`; ids `api-<kind>-<opaque hash>`."""
+
+    api_key: Secret = field(repr=False)
+    seed: int = 0
+    rate_per_s: float = 5.0
+    burst: int = 5
+    max_retries_429: int = 3
+    name: str = "api"
+    data: Dataset = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.data = make_dataset(self.seed)
+        RateLimiter(self.rate_per_s, self.burst)  # checks the numbers
+
+    def task(self, kind: str, user: User, product: str | None = None) -> Task:
+        orders = self.data.orders_of(user.id)
+        if kind == "shipped_total":
+            answer = sum(o.total_cents for o in orders if o.status == "shipped")
+            question = (
+                f"What is the total value, in cents, of all orders of {user.name} with status "
+                "'shipped' (sum of qty * unit_price_cents over their items)?"
+            )
+            task_id = _task_id(self.seed, kind, user.id)
+        elif kind == "units" and product is not None:
+            answer = sum(
+                i.qty for o in orders if o.status != "cancelled" for i in o.items
+                if i.product == product
+            )  # fmt: skip
+            question = (
+                f"How many units of {product} has {user.name} ordered in total, counting every "
+                "order that is not 'cancelled'?"
+            )
+            task_id = _task_id(self.seed, kind, user.id, product)
+        else:
+            raise ValueError(f"kind ({kind!r}) must be shipped_total, or units with a product")
+        return Task(
+            id=task_id,
+            prompt=f"{question} {GUIDE.format(task_id=task_id)}",
+            data={"kind": kind, "answer": answer, "seed": self.seed},
+        )
+
+    def tasks(self, rng: random.Random) -> Iterator[Task]:
+        while True:
+            user = rng.choice(self.data.users)
+            if rng.choice(TASK_KINDS) == "units":
+                yield self.task("units", user, rng.choice(sorted(PRODUCTS)))
+            else:
+                yield self.task("shipped_total", user)
+
+    def open(self, task: Task) -> ApiSession:
+        state = ApiState(self.data, self.api_key, RateLimiter(self.rate_per_s, self.burst))
+        return ApiSession(task, ApiServer(state), self.api_key, self.max_retries_429)
+
+
+def make_env(
+    api_key: str | None = None,
+    seed: int = 0,
+    rate_per_s: float = 5.0,
+    burst: int = 5,
+    max_retries_429: int = 3,
+) -> ApiEnv:
+    """The api env (see the package docstring). `api_key`: pass `${VAR}` in the recipe;
+    None makes a random key for this env."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: is the variable named in env_args' ${...} set?")
+    key = Secret(api_key if api_key is not None else secrets.token_urlsafe(24))
+    return ApiEnv(
+        api_key=key, seed=seed, rate_per_s=rate_per_s, burst=burst,
+        max_retries_429=max_retries_429,
+    )  # fmt: skip

@@ -1,0 +1,329 @@
+"""The ledger of a run: where every trajectory id ended up, and whether the books balance.
+
+    ledger = build_ledger(Path("runs/tiny"))
+    print(ledger.render())          # totals and any problem, for people
+    ledger.summary()                # the `ledger` key of `jetctl status --json`
+    assert ledger.balanced
+
+Every trajectory id a client node made reaches exactly one outcome (docs/architecture.md
+section 6), or is still in flight:
+
+    trained                              a server trained it (at a step that survived)
+    rejected(stale | invalid | revision) refused with a reason, at Submit or at batch time
+    dropped(timeout | failed | dead-letter | lost)   given up by the client, with the error
+    in flight: rollout | client_spool | server_buffer
+
+The ledger reads only files a run leaves behind, so it works on a live run and on a
+stopped one: each server's store (`<run_dir>/server-<model>/store.sqlite`: groups with
+their trajectory ids, state, reason, step; the train log and the epochs of restarts) and
+each node's spool (`<run_dir>/spool/<node>.sqlite`: rollouts in progress, pending groups,
+acked outcomes, dropped trajectories). It does not trust counters; it joins ids.
+
+What unbalances it (each a `Problem`):
+
+* `lost`: a client holds an ack (accepted or duplicate) for a group no server has, or a
+  server marked a group trained at a step that a restart threw away and never trained it
+  again;
+* `trained_twice`: a group trained twice in the history that survived the restarts, or a
+  trajectory id trained in two groups;
+* `conflict`: an id in two places that exclude each other (dropped by the client and
+  stored by a server; in two spools).
+
+A group a server holds while the client still has it pending (its ack was lost, the
+client will resend it and hear DUPLICATE) counts once, by the server's state. Ids only a
+server knows (its client's spool is gone) are counted under `server_only`.
+
+Left out: the per-group `max_staleness` arithmetic (the server's reason is taken as given).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ProblemKind = Literal["lost", "trained_twice", "conflict"]
+REJECT_REASONS = ("stale", "invalid", "revision")
+MAX_PROBLEMS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: ProblemKind
+    trajectory_id: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class _ServerRow:
+    model: str
+    group_id: str
+    state: str  # buffered | trained | rejected
+    reason: str
+    step: int | None
+
+
+@dataclass(frozen=True)
+class _ClientFact:
+    node: str
+    group_id: str
+    kind: Literal["rollout", "pending", "outcome", "dropped"]
+    detail: str = ""  # outcome or drop reason
+    reason: str = ""
+
+
+@dataclass
+class Ledger:
+    """Totals by outcome (trajectories), and what does not add up."""
+
+    trained: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+    in_flight: Counter[str] = field(default_factory=Counter)
+    server_only: int = 0
+    resent_after_lost_ack: int = 0  # held by a server and still pending on a client
+    problems: list[Problem] = field(default_factory=list)
+    servers: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> epochs, version
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def produced(self) -> int:
+        return (
+            self.trained + sum(self.rejected.values()) + sum(self.dropped.values())
+            + sum(self.in_flight.values()) + self.count("lost")
+        )
+
+    def count(self, kind: ProblemKind) -> int:
+        return sum(1 for p in self.problems if p.kind == kind)
+
+    @property
+    def balanced(self) -> bool:
+        """Nothing lost, nothing trained twice, no id in two exclusive places."""
+        return not self.problems
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready breakdown (the `ledger` key of `jetctl status --json`)."""
+        return {
+            "produced": self.produced,
+            "trained": self.trained,
+            "rejected": dict(sorted(self.rejected.items())),
+            "dropped": dict(sorted(self.dropped.items())),
+            "in_flight": {k: self.in_flight.get(k, 0)
+                          for k in ("rollout", "client_spool", "server_buffer")},
+            "server_only": self.server_only,
+            "resent_after_lost_ack": self.resent_after_lost_ack,
+            "lost": self.count("lost"),
+            "trained_twice": self.count("trained_twice"),
+            "conflicts": self.count("conflict"),
+            "balanced": self.balanced,
+            "problems": [
+                f"{p.kind} {p.trajectory_id}: {p.detail}"
+                for p in self.problems[:MAX_PROBLEMS_SHOWN]
+            ],
+            "servers": self.servers,
+            "nodes": self.nodes,
+        }
+
+    def render(self) -> str:
+        """A few lines for a terminal."""
+        s = self.summary()
+
+        def parts(d: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
+
+        lines = [
+            (f"trajectories produced {s['produced']}: trained {s['trained']}, "
+            f"rejected {sum(s['rejected'].values())} ({parts(s['rejected'])}), "
+            f"dropped {sum(s['dropped'].values())} ({parts(s['dropped'])}), "
+            f"in flight {sum(s['in_flight'].values())} ({parts(s['in_flight'])})"),
+            (f"lost {s['lost']}, trained twice {s['trained_twice']}, conflicts {s['conflicts']}"
+            f"; acks lost and resent {s['resent_after_lost_ack']}, server only {s['server_only']}"),
+        ]
+        for model, info in s["servers"].items():
+            epochs = info.get("epochs") or []
+            resumed = ", ".join(str(e["resumed_from"]) for e in epochs[1:]) or "-"
+            lines.append(
+                f"server {model}: {len(epochs)} start(s), resumed from versions {resumed}"
+            )
+        lines += [f"  {p}" for p in s["problems"]]
+        lines.append("BALANCED: every id has exactly one outcome or is in flight"
+                     if self.balanced else "NOT BALANCED")
+        return "\n".join(lines)
+
+
+# -- reading the files ------------------------------------------------------------------
+
+
+@contextmanager
+def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection that sees committed WAL data of a live writer."""
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)) as db:
+        yield db
+
+
+def _ids(joined: str, group_id: str, n: int) -> list[str]:
+    # rows written before ids were recorded: stand-in ids that match across both sides
+    return joined.split(",") if joined else [f"{group_id}#{i}" for i in range(n)]
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_ServerRow]]:
+    by_id: dict[str, list[_ServerRow]] = {}
+    with _read_only(path) as db:
+        cols = _columns(db, "groups")
+        ids_col = "trajectory_ids" if "trajectory_ids" in cols else "''"
+        rows = db.execute(
+            f"SELECT id, n_traj, state, reason, step, {ids_col} FROM groups"
+        ).fetchall()
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        epochs = (
+            db.execute("SELECT epoch, resumed_from FROM epochs ORDER BY epoch").fetchall()
+            if "epochs" in tables else []
+        )
+        log = (
+            db.execute("SELECT group_id, step, epoch FROM train_log").fetchall()
+            if "train_log" in tables else []
+        )
+    surviving = _surviving_steps(epochs, log)
+    ledger.servers[model] = {
+        "epochs": [{"epoch": e, "resumed_from": r} for e, r in epochs],
+        "groups": len(rows),
+    }
+    for gid, n, state, reason, step, joined in rows:
+        kept = surviving.get(gid, [])
+        if len(kept) > 1:
+            for tid in _ids(joined, gid, n):
+                ledger.problems.append(Problem(
+                    "trained_twice", tid,
+                    f"group {gid} on {model} trained at steps {kept} of the surviving history",
+                ))
+        if state == "trained" and log and not kept:
+            # marked trained only at steps a restart discarded: its gradient is gone
+            state, reason = "lost_history", f"trained at step {step} which a restart discarded"
+        for tid in _ids(joined, gid, n):
+            by_id.setdefault(tid, []).append(_ServerRow(model, gid, state, reason, step))
+    return by_id
+
+
+def _surviving_steps(
+    epochs: list[tuple[int, int]], log: list[tuple[str, int, int]]
+) -> dict[str, list[int]]:
+    """Steps per group that the final model's history contains: an epoch's steps past the
+    version the next epoch resumed from were lost (min over all later epochs)."""
+    ceiling: dict[int, float] = {}
+    later_min = float("inf")
+    for epoch, resumed_from in sorted(epochs, reverse=True):
+        ceiling[epoch] = later_min
+        later_min = min(later_min, resumed_from)
+    out: dict[str, list[int]] = {}
+    for gid, step, epoch in log:
+        if step <= ceiling.get(epoch, float("inf")):
+            out.setdefault(gid, []).append(step)
+    return out
+
+
+def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
+    by_id: dict[str, list[_ClientFact]] = {}
+
+    def add(tid: str, fact: _ClientFact) -> None:
+        by_id.setdefault(tid, []).append(fact)
+
+    with _read_only(path) as db:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "inflight" in tables:
+            for tid, gid in db.execute("SELECT trajectory_id, group_id FROM inflight"):
+                add(tid, _ClientFact(node, gid, "rollout"))
+        has_ids = "trajectory_ids" in _columns(db, "pending")
+        ids_col = "trajectory_ids" if has_ids else "''"
+        for gid, n, joined in db.execute(f"SELECT id, n_trajectories, {ids_col} FROM pending"):
+            for tid in _ids(joined, gid, n):
+                add(tid, _ClientFact(node, gid, "pending"))
+        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "outcomes") else "''"
+        for gid, n, outcome, reason, joined in db.execute(
+            f"SELECT group_id, n_trajectories, outcome, reason, {ids_col} FROM outcomes"
+        ):
+            for tid in _ids(joined, gid, n):
+                add(tid, _ClientFact(node, gid, "outcome", outcome, reason))
+        for tid, reason in db.execute("SELECT trajectory_id, reason FROM dropped"):
+            add(tid, _ClientFact(node, "", "dropped", reason))
+    return by_id
+
+
+def _reason_code(reason: str) -> str:
+    code = reason.split(":", 1)[0].strip()
+    return code if code in REJECT_REASONS else "invalid"
+
+
+# -- balancing --------------------------------------------------------------------------
+
+
+def build_ledger(run_dir: Path) -> Ledger:
+    """Read every store and spool of the run and classify each trajectory id once."""
+    run_dir = Path(run_dir)
+    ledger = Ledger()
+    server: dict[str, list[_ServerRow]] = {}
+    for path in sorted(run_dir.glob("server-*/store.sqlite")):
+        model = path.parent.name.removeprefix("server-")
+        for tid, rows in _read_store(model, path, ledger).items():
+            server.setdefault(tid, []).extend(rows)
+    client: dict[str, list[_ClientFact]] = {}
+    for path in sorted((run_dir / "spool").glob("*.sqlite")):
+        ledger.nodes.append(path.stem)
+        for tid, facts in _read_spool(path.stem, path).items():
+            client.setdefault(tid, []).extend(facts)
+
+    for tid in server.keys() | client.keys():
+        _classify(tid, server.get(tid, []), client.get(tid, []), ledger)
+    return ledger
+
+
+def _classify(tid: str, rows: list[_ServerRow], facts: list[_ClientFact], ledger: Ledger) -> None:
+    if len(rows) > 1:
+        trained = [r for r in rows if r.state == "trained"]
+        kind: ProblemKind = "trained_twice" if len(trained) > 1 else "conflict"
+        where = ", ".join(f"{r.model}/{r.group_id} ({r.state})" for r in rows)
+        ledger.problems.append(Problem(kind, tid, f"in {len(rows)} server groups: {where}"))
+    if rows:
+        row = rows[0]
+        for f in facts:
+            if f.kind in ("rollout", "dropped") or (f.kind == "outcome" and f.detail == "invalid"):
+                ledger.problems.append(Problem(
+                    "conflict", tid,
+                    f"{row.model} holds it ({row.state}) but {f.node} has it {f.kind} {f.detail}",
+                ))
+        if not facts:
+            ledger.server_only += 1
+        elif all(f.kind == "pending" for f in facts):
+            ledger.resent_after_lost_ack += 1
+        if row.state == "trained":
+            ledger.trained += 1
+        elif row.state == "rejected":
+            ledger.rejected[_reason_code(row.reason)] += 1
+        elif row.state == "buffered":
+            ledger.in_flight["server_buffer"] += 1
+        else:
+            ledger.problems.append(Problem("lost", tid, f"{row.model}: {row.reason}"))
+        return
+    if len(facts) > 1:
+        where = ", ".join(f"{f.node}:{f.kind} {f.detail}".strip() for f in facts)
+        ledger.problems.append(Problem("conflict", tid, f"in {len(facts)} places: {where}"))
+    f = facts[0]
+    if f.kind == "rollout":
+        ledger.in_flight["rollout"] += 1
+    elif f.kind == "pending":
+        ledger.in_flight["client_spool"] += 1
+    elif f.kind == "dropped":
+        ledger.dropped[f.detail] += 1
+    elif f.detail in ("accepted", "duplicate"):
+        ledger.problems.append(Problem(
+            "lost", tid, f"{f.node} holds ack {f.detail} for group {f.group_id}; no server has it",
+        ))
+    else:
+        ledger.rejected[_reason_code(f.detail)] += 1

@@ -1,0 +1,120 @@
+"""The ledger joins trajectory ids across the servers' stores and the clients' spools.
+
+Real stores and spools in a temp run dir, no processes: each test makes one history (an
+ack lost, a crash that loses steps, a node killed mid-rollout) and checks the ledger's
+classification and whether it balances.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jetctl.client.spool import Spool
+from jetctl.ledger import build_ledger
+from jetctl.proto.convert import group_to_pb
+from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.types import TrajectoryGroup
+from tests.factories import make_group
+
+pytestmark = pytest.mark.unit
+
+
+def _store(run_dir: Path, resumed_from: int = 0) -> TrajectoryStore:
+    store = TrajectoryStore(run_dir / "server-policy" / "store.sqlite", decode=GroupCodec())
+    store.open(trained_through_step=resumed_from)
+    return store
+
+
+def _spool(run_dir: Path, node: str = "digits-0") -> Spool:
+    return Spool(run_dir / "spool" / f"{node}.sqlite")
+
+
+def _produce(spool: Spool, g: TrajectoryGroup) -> None:
+    ids = [t.id for t in g.trajectories]
+    spool.start(g.id, ids)
+    spool.put(g.id, group_to_pb(g).SerializeToString(), len(ids), trajectory_ids=ids)
+
+
+def _submit(store: TrajectoryStore, spool: Spool | None, g: TrajectoryGroup,
+            outcome: str = "accepted") -> None:
+    res = store.put(g, group_to_pb(g).SerializeToString(), outcome).result(5)  # type: ignore[arg-type]
+    if spool is not None:
+        spool.ack(g.id, res.outcome, res.reason)  # type: ignore[arg-type]
+
+
+def test_every_outcome_is_counted_once_and_the_books_balance(tmp_path: Path) -> None:
+    store, spool = _store(tmp_path), _spool(tmp_path)
+    trained, buffered, stale, pending, lost_ack = (make_group() for _ in range(5))
+    for g in (trained, buffered, stale, pending, lost_ack):
+        _produce(spool, g)
+    _submit(store, spool, trained)
+    store.take(1, 1.0)
+    store.mark_trained([trained.id], step=1)
+    _submit(store, spool, buffered)
+    _submit(store, spool, stale, outcome="stale")
+    _submit(store, None, lost_ack)  # committed, the reply never arrived: still pending
+    spool.start("g-running", ["r1", "r2"])  # a rollout in progress
+    spool.start("g-timeout", ["x1"])
+    spool.drop("x1", "timeout", "killed at rollout_timeout_s")
+
+    s = build_ledger(tmp_path).summary()
+    assert s["trained"] == 2 and s["rejected"] == {"stale": 2}
+    assert s["dropped"] == {"timeout": 1}
+    assert s["in_flight"] == {"rollout": 2, "client_spool": 2, "server_buffer": 4}
+    assert s["resent_after_lost_ack"] == 2, "held by the server, pending on the client: once"
+    assert s["produced"] == 2 * 5 + 3 and s["balanced"], s["problems"]
+
+
+def test_an_acked_group_no_server_has_is_lost(tmp_path: Path) -> None:
+    _store(tmp_path)
+    spool = _spool(tmp_path)
+    g = make_group()
+    _produce(spool, g)
+    spool.ack(g.id, "accepted")  # an ack without the durable write behind it
+    ledger = build_ledger(tmp_path)
+    assert not ledger.balanced and ledger.count("lost") == 2
+
+
+def test_steps_lost_in_a_crash_are_trained_again_once(tmp_path: Path) -> None:
+    store, spool = _store(tmp_path), _spool(tmp_path)
+    early, late = make_group(), make_group()
+    for g in (early, late):
+        _produce(spool, g)
+        _submit(store, spool, g)
+    store.take(2, 1.0)
+    store.mark_trained([early.id], step=5)  # in the checkpoint at 5
+    store.mark_trained([late.id], step=7)  # after it: lost with the crash
+    store.close()
+    store = _store(tmp_path, resumed_from=5)  # restart from the checkpoint at 5
+    assert [s.group.id for s in store.take(1, 1.0)] == [late.id], "step 7 goes back to the buffer"
+    store.mark_trained([late.id], step=6)
+    assert build_ledger(tmp_path).balanced
+
+    # a store that trained a surviving group again would be caught
+    store.mark_trained([early.id], step=7)
+    ledger = build_ledger(tmp_path)
+    assert ledger.count("trained_twice") == 2 and not ledger.balanced
+
+
+def test_a_killed_node_loses_its_rollouts_never_half_a_group(tmp_path: Path) -> None:
+    spool = _spool(tmp_path)
+    spool.start("g1", ["a", "b", "c"])
+    spool.drop("c", "failed", "agent raised")
+    spool.close()  # kill -9 here: a and b were running
+    spool = _spool(tmp_path)
+    assert spool.recover_lost("node died") == 2
+    assert spool.recover_lost("node died") == 0
+    s = build_ledger(tmp_path).summary()
+    assert s["dropped"] == {"failed": 1, "lost": 2} and s["balanced"]
+
+
+def test_one_trajectory_in_two_places_is_a_conflict(tmp_path: Path) -> None:
+    store, spool = _store(tmp_path), _spool(tmp_path)
+    g = make_group()
+    _produce(spool, g)
+    _submit(store, spool, g)
+    spool.drop(g.trajectories[0].id, "timeout", "and also dropped?")
+    ledger = build_ledger(tmp_path)
+    assert ledger.count("conflict") == 1 and not ledger.balanced
