@@ -12,8 +12,9 @@ functions. A rollout runs in its own process group, so a timeout kills it whole.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,28 @@ class Env(Protocol):
 
     def open(self, task: Task) -> Session:
         ...
+
+
+class LocalHTTPServer:
+    """An http.server handler served on 127.0.0.1 (free port) from a daemon thread.
+
+    For environments that serve their own site or API to the agent; `close()` stops it.
+    """
+
+    def __init__(self, handler: type, name: str) -> None:
+        import threading
+        from http.server import ThreadingHTTPServer
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -28,8 +28,10 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from jetctl.env import LocalHTTPServer
 
 log = logging.getLogger("envs.api")
 
@@ -308,22 +310,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"accepted": True})
 
 
-class ApiServer:
+class ApiServer(LocalHTTPServer):
     """An ApiState served on 127.0.0.1 (free port) from a daemon thread; `close()` stops it."""
 
     def __init__(self, state: ApiState) -> None:
         self.state = state
-        handler = type("ApiHandler", (_Handler,), {"state": state})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="api", daemon=True)
-        self._thread.start()
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        super().__init__(type("ApiHandler", (_Handler,), {"state": state}), "api")

@@ -21,8 +21,10 @@ import random
 import threading
 import urllib.parse
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from jetctl.env import LocalHTTPServer
 
 PAGE_SIZE = 5
 ADJECTIVES = ("Blue", "Red", "Steel", "Oak", "Compact", "Deluxe", "Travel", "Classic")
@@ -235,24 +237,9 @@ def _int(text: str, default: int) -> int:
         return default
 
 
-class ShopServer:
+class ShopServer(LocalHTTPServer):
     """A Shop served on 127.0.0.1 (free port) from a daemon thread; `close()` stops it."""
 
     def __init__(self, shop: Shop) -> None:
         self.shop = shop
-        handler = type("ShopHandler", (_Handler,), {"shop": shop})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="web-shop", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        super().__init__(type("ShopHandler", (_Handler,), {"shop": shop}), "web-shop")

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from rich.live import Live
 
 from jetctl.cli.errors import fail
 from jetctl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from jetctl.controller.controller import Controller
 
 LATEST_LINK = Path("runs/latest")
 DETACH_TIMEOUT_S = 120.0
@@ -61,8 +64,7 @@ def up(
     grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
-    from jetctl.controller.controller import Controller, ControllerOptions
-    from jetctl.controller.rundir import RunDirError, RunPaths
+    from jetctl.controller.rundir import RunPaths
     from jetctl.status import document, render_progress
 
     rec = load_recipe_or_fail(recipe)
@@ -72,15 +74,7 @@ def up(
         return
     console = Console()
     _configure_logging(RunPaths(rd).controller_log, console)
-    ctl = Controller(
-        rec, recipe, run_dir=rd, resume=resume, latest_link=LATEST_LINK,
-        options=ControllerOptions(grace_s=grace),
-    )
-    try:
-        ctl.setup()
-    except RunDirError as e:
-        fail(str(e))
-    ctl.install_signal_handlers()
+    ctl = _set_up_controller(rec, recipe, rd, resume, grace)
     loop = threading.Thread(target=ctl.serve_forever, name="reconcile")
     loop.start()
     with Live(console=console, refresh_per_second=2, transient=False) as live:
@@ -149,11 +143,18 @@ def controller(
     grace: Annotated[float, typer.Option("--grace")] = 30.0,
 ) -> None:
     """The background controller of `jetctl up --detach` (logs to stderr = logs/controller.log)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rec = load_recipe_or_fail(recipe)
+    _set_up_controller(rec, recipe, run_dir, resume, grace).serve_forever()
+
+
+def _set_up_controller(
+    rec: Recipe, recipe: Path, run_dir: Path, resume: bool, grace: float
+) -> Controller:
+    """A controller with its run dir set up and its signal handlers installed."""
     from jetctl.controller.controller import Controller, ControllerOptions
     from jetctl.controller.rundir import RunDirError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rec = load_recipe_or_fail(recipe)
     ctl = Controller(
         rec, recipe, run_dir=run_dir, resume=resume, latest_link=LATEST_LINK,
         options=ControllerOptions(grace_s=grace),
@@ -163,7 +164,7 @@ def controller(
     except RunDirError as e:
         fail(str(e))
     ctl.install_signal_handlers()
-    ctl.serve_forever()
+    return ctl
 
 
 def down(
