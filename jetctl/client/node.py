@@ -48,7 +48,13 @@ import grpc
 
 from jetctl.client.metrics import ClientMetrics
 from jetctl.client.proxy import Backend, Proxy, Sampling, ServedModel
-from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
+from jetctl.client.rollout import (
+    RolloutResult,
+    RolloutRunner,
+    RolloutSpec,
+    load_object,
+    reap_leftovers,
+)
 from jetctl.client.spool import Outcome, PendingGroup, Spool
 from jetctl.client.timeline import ChatRenderer
 from jetctl.client.transport import (
@@ -127,6 +133,8 @@ class ClientNode:
         self.metrics = ClientMetrics()
         self.metrics_port: int | None = None
         self.spool = Spool(config.run_dir / "spool" / f"{config.name}.sqlite")
+        # live rollouts (pid, start time): a restart kills what a killed predecessor left
+        self._rollout_registry = config.run_dir / "spool" / f"{config.name}.rollouts"
         self.transport = SwarmTransport(
             self.model, config.token, run_dir=config.run_dir, endpoint=config.endpoint,
             tls=config.tls,
@@ -189,6 +197,10 @@ class ClientNode:
 
     def _recover_lost(self) -> None:
         """Rollouts an earlier process of this node left running (it was killed) are lost."""
+        reaped = reap_leftovers(self._rollout_registry)
+        if reaped:
+            log.warning("killed %d rollout(s) an earlier process of %s left running",
+                        reaped, self.config.name)
         lost = self.spool.recover_lost("the node died while this rollout ran (killed or crashed)")
         if lost:
             log.warning("%d rollouts of an earlier process of %s were lost", lost, self.config.name)
@@ -282,7 +294,8 @@ class ClientNode:
         env_module = self.config.task.env.partition(":")[0]
         agent_module = self.config.agent_spec.partition(":")[0]
         self._runner = RolloutRunner(
-            [env_module, agent_module], max_workers=self.config.task.concurrency
+            [env_module, agent_module], max_workers=self.config.task.concurrency,
+            registry=self._rollout_registry,
         )
 
     # ------------------------------------------------------------------ producing

@@ -8,6 +8,10 @@ the agent started (browsers, shells, sandboxes). The same group is killed after 
 finish, so nothing an agent leaves behind outlives its rollout (processes that moved to a
 session of their own with `setsid` escape this; envs should close what they open).
 
+With a `registry` folder the runner records each live rollout there (pid and start time),
+so a restarted node can kill the groups that its killed predecessor left behind
+(`reap_leftovers`).
+
 The child sends one `RolloutResult` back over a pipe: reward, status (ok | failed), error
 text with traceback, timings. The parent turns a timeout into status `timeout` and a child
 that died without a result into `failed`.
@@ -29,6 +33,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jetctl.env import LLM, Task
@@ -120,10 +125,45 @@ def kill_group(pid: int) -> None:
         pass  # no such group: the child died before or right after setpgrp
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' if it is gone)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def reap_leftovers(registry: Path) -> int:
+    """Kill the rollout groups recorded in `registry` by an earlier process of this node
+    (it was killed before it could); returns how many groups still had processes."""
+    from jetctl import proctree
+
+    reaped = 0
+    for entry in registry.glob("*") if registry.is_dir() else ():
+        try:
+            pid, recorded = int(entry.name), entry.read_text().strip()
+        except (ValueError, OSError):
+            entry.unlink(missing_ok=True)
+            continue
+        started = _start_time(pid)
+        # the leader may be gone while what it started lives on in its group; a live
+        # process with this pid but another start time is someone else: leave it
+        if (not started or started == recorded) and proctree.members(pgid=pid):
+            kill_group(pid)
+            reaped += 1
+        entry.unlink(missing_ok=True)
+    return reaped
+
+
 class RolloutRunner:
     """Starts rollout processes from a forkserver and waits for them with a timeout."""
 
-    def __init__(self, preload: list[str], max_workers: int = 8) -> None:
+    def __init__(
+        self, preload: list[str], max_workers: int = 8, registry: Path | None = None
+    ) -> None:
+        self._registry = registry
+        if registry is not None:
+            registry.mkdir(parents=True, exist_ok=True)
         self._ctx = multiprocessing.get_context("forkserver")
         # Only takes effect if this process has not started its forkserver yet.
         self._ctx.set_forkserver_preload(["openai", "jetctl.env", __name__, *preload])
@@ -147,6 +187,9 @@ class RolloutRunner:
         finally:
             writer.close()
         assert proc.pid is not None
+        record = self._registry / str(proc.pid) if self._registry is not None else None
+        if record is not None:
+            record.write_text(_start_time(proc.pid))
         done = loop.create_future()
 
         def wake() -> None:
@@ -163,6 +206,8 @@ class RolloutRunner:
         except asyncio.CancelledError:
             kill_group(proc.pid)
             proc.kill()
+            if record is not None:
+                record.unlink(missing_ok=True)
             raise
         finally:
             loop.remove_reader(reader.fileno())
@@ -179,6 +224,8 @@ class RolloutRunner:
         if proc.is_alive():
             proc.kill()
         await loop.run_in_executor(self._executor, proc.join, 10.0)
+        if record is not None:
+            record.unlink(missing_ok=True)
         elapsed = time.monotonic() - t0
         if timed_out:
             result = RolloutResult(

@@ -1,7 +1,8 @@
 """The `process` runtime: every node is a subprocess on this host.
 
 Each node runs in its own session and process group (`start_new_session=True`), so a Ctrl-C
-at the controller's terminal does not reach it and a SIGKILL can take the whole group. Its
+at the controller's terminal does not reach it. A kill takes the node's whole session: its
+own group and its rollouts, which are process groups of their own (jetctl/proctree.py). Its
 stdout+stderr go to `<run_dir>/logs/<node>.log` (appended across restarts) and
 `<run_dir>/pids/<node>.pid` records it (JSON: pid, process start time, spec) so that a new
 controller can adopt it (`jetctl up --resume`) or `jetctl down` can stop it without one.
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jetctl import proctree
 from jetctl.controller.rundir import pid_alive, process_create_time
 from jetctl.controller.runtimes.base import NodeHandle, NodeSpec, NodeState, Runtime
 
@@ -74,6 +76,8 @@ class ProcessRuntime(Runtime):
         if handle.pid is None:
             return
         _signal(handle.pid, signal.SIGKILL, group=True)
+        # the node's rollouts are process groups of their own in its session: reach them too
+        proctree.kill_session(handle.pid)
         proc = self._children.get(handle.pid)
         if proc is not None:
             try:

@@ -1,0 +1,55 @@
+"""Find and kill what a process started, also after that process is gone.
+
+A client node runs in a session of its own (the process runtime starts it with
+`start_new_session=True`) and each rollout is a process group of its own inside that
+session (`os.setpgrp()`). Killing the node's group therefore misses its rollouts; killing
+its *session* reaches them, and whatever they started, even once the node itself is dead.
+Only processes that called `setsid` themselves escape.
+
+Linux only (reads /proc); elsewhere the scans find nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def _ids(pid: int) -> tuple[int, int] | None:
+    """(pgid, sid) of a live, non-zombie process; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[2]), int(fields[3])
+
+
+def members(*, sid: int | None = None, pgid: int | None = None) -> list[int]:
+    """Pids of the live processes in session `sid` and/or process group `pgid`."""
+    found = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        ids = _ids(int(entry.name))
+        if ids is None:
+            continue
+        if (pgid is None or ids[0] == pgid) and (sid is None or ids[1] == sid):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_session(sid: int, sig: signal.Signals = signal.SIGKILL) -> int:
+    """Signal every process of session `sid` (except this one); returns how many."""
+    n = 0
+    for pid in members(sid=sid):
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return n
