@@ -260,6 +260,12 @@ class TaskConfig(_Strict):
     resources: ResourcesConfig = Field(
         default=ResourcesConfig(), description="container limits (runtime: docker)"
     )
+    docker_socket: bool = Field(
+        default=False,
+        description="mount the host's docker socket into the nodes' containers (runtime: "
+        "docker), so the env can start sibling containers, e.g. the code env's "
+        "`backend: docker` sandbox; it gives the node control of the host's docker engine",
+    )
     inference: Literal["server", "local"] = Field(
         default="server",
         description="server: generate on the model's server; local: on the client with "
@@ -285,18 +291,29 @@ class TaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _group_fits(self) -> TaskConfig:
+        problems = []
         if self.concurrency < self.group_size:
-            _raise_problems(
-                [
-                    Problem(
-                        ("concurrency",),
-                        self.concurrency,
-                        f"is less than group_size ({self.group_size}); a node runs a "
-                        "group's rollouts at once so the server can batch them: set "
-                        f"concurrency to at least {self.group_size}",
-                    )
-                ]
+            problems.append(
+                Problem(
+                    ("concurrency",),
+                    self.concurrency,
+                    f"is less than group_size ({self.group_size}); a node runs a "
+                    "group's rollouts at once so the server can batch them: set "
+                    f"concurrency to at least {self.group_size}",
+                )
             )
+        if self.docker_socket and self.runtime != "docker":
+            problems.append(
+                Problem(
+                    ("docker_socket",),
+                    self.docker_socket,
+                    f"only applies to runtime: docker (this task runs as {self.runtime}, "
+                    "where the env reaches the engine directly): remove it or set "
+                    "runtime: docker",
+                )
+            )
+        if problems:
+            _raise_problems(problems)
         return self
 
 

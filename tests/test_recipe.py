@@ -298,3 +298,12 @@ def test_cli_validate_missing_file_and_syntax_error(tmp_path: Path) -> None:
     assert lines[0] == f"{missing}: file not found"
     assert lines[1].startswith(f"{broken}:3: YAML syntax error")
     assert len(lines) == 2 and "Traceback" not in result.output
+
+
+def test_docker_socket_needs_the_docker_runtime() -> None:
+    text = GOOD + "    docker_socket: true\n"
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (11, "tasks.digits.docker_socket")
+    assert "only applies to runtime: docker" in rendered and "set runtime: docker" in rendered
+    ok = parse_recipe(text + "    runtime: docker\n", file="r.yaml", env={})
+    assert ok.tasks["digits"].docker_socket

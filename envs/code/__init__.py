@@ -8,12 +8,14 @@ sandbox, the expected values stay on the host, which compares the JSON results.
 
 Reward = fraction of hidden cases passed by the first submission (0.0 without one).
 
-Sandboxes (`envs/code/sandbox.py`): `backend="auto"` uses a fresh `docker run --network none
---read-only --memory --pids-limit --cap-drop ALL` container per run when an engine and the
-image (`images/code`, default `jetctl-code`) are there, else bubblewrap as root
-(namespaces, only /usr read-only and the run's directory visible, rlimits, a per-run uid);
-`backend="process"` (rlimits, uid drop, `unshare -n`; no file isolation) only when asked
-for. `RunResult.backend` / `Grade.backend` says which ran.
+Sandboxes (`envs/code/sandbox.py`): `backend="auto"` uses a fresh container per run
+(`--network none`, read-only, memory/pids/CPU caps, no capabilities, a per-run uid) when an
+engine and the image (`images/code`, default `jetctl-code`) are there, else bubblewrap as
+root (namespaces, only /usr read-only and the run's directory visible, rlimits, a per-run
+uid); `backend="process"` (rlimits, uid drop, `unshare -n`; no file isolation) only when
+asked for. `RunResult.backend` / `Grade.backend` says which ran. A node that itself runs in
+a container (runtime: docker) reaches the engine through the host's socket when its task
+sets `docker_socket: true` (recipes/cocktail.yaml): its sandboxes are sibling containers.
 
 Run: `make_env(backend="auto", image="jetctl-code", time_limit_s=5.0, memory_mb=512,
 pids=32, file_mb=8, max_runs=8)`, agent `agents.code:agent`.

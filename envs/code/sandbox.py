@@ -2,9 +2,14 @@
 
 Every backend gets the same `Limits` and returns a `RunResult` naming the backend that ran:
 
-- `docker`: a fresh `docker run --rm --network none --read-only --memory --pids-limit
-  --cap-drop ALL --user 65534` container per run; only the run's directory is writable
-  (mounted at /work). Needs a reachable engine and the image (`images/code`).
+- `docker`: a fresh container per run (docker SDK): `--network none`, read-only root,
+  memory/pids/CPU caps, every capability dropped but SETUID/SETGID (kept for its boot
+  process, pid 1, to drop the run to a random unprivileged uid), no-new-privileges. The
+  files travel in the container's environment and only /work (and /tmp), tmpfs, are
+  writable, so no host path is mounted: it works from the host and from a client node's
+  container given the host's docker socket (recipe: `docker_socket: true`). Needs a
+  reachable engine and the image (`images/code`); a run's container is removed after it,
+  and exited leftovers of a killed caller are removed by the next sandbox.
 - `bwrap`: bubblewrap as root: new pid/net/ipc/uts namespaces, only /usr (read-only), /proc,
   /dev, an empty /tmp and the run's directory are visible (no /etc, no /root, no run dir of
   jetctl); inside, `prlimit` sets RLIMIT_AS/CPU/NPROC/FSIZE and `setpriv` drops to a
@@ -16,14 +21,16 @@ Every backend gets the same `Limits` and returns a `RunResult` naming the backen
   process group that a timeout kills: use it only where docker and bwrap are missing,
   and only by asking for it (`backend="process"`); `auto` never picks it.
 
-stdout/stderr go to files outside the sandbox capped by RLIMIT_FSIZE (docker: read back with
-a byte cap), so a flood of output cannot fill the host's memory. A run past `time_s` is
+stdout/stderr go to files outside the sandbox capped by RLIMIT_FSIZE (docker: pipes read by
+pid 1 with a byte cap), so a flood of output cannot fill the host's memory. A run past `time_s` is
 killed whole (pid namespace / container / process group) and reported as `timed_out`.
 Left out: GPU access, packages beyond the standard library (docker: what the image has).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import secrets
 import shutil
@@ -254,8 +261,84 @@ class ProcessSandbox:
             return _result("process", out_dir, code, timed_out, wall, limits)
 
 
+# Runs as the container's pid 1 (root, no capabilities but SETUID/SETGID): writes the files,
+# starts `python3 *argv` as the run's uid with rlimits, reads its output through pipes with
+# a cap, kills every other process of the container at the time limit, and prints one JSON
+# line, the only thing on the container's stdout (the run cannot reach pid 1's fds).
+_DOCKER_BOOT = r"""
+import base64, json, os, resource, signal, subprocess, sys, threading, time
+spec = json.loads(base64.b64decode(os.environ.pop("JETCTL_SANDBOX")))
+os.chdir("/work")
+os.chmod("/work", 0o1777)  # docker makes a working dir 0755; the run's uid writes here
+for name, text in spec["files"].items():
+    with open(name, "w") as f:
+        f.write(text)
+def drop():
+    resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu"], spec["cpu"] + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], spec["fsize"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.setgroups([])
+    os.setgid(spec["uid"])
+    os.setuid(spec["uid"])
+env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/work", "TMPDIR": "/work",
+       "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
+if os.environ.get("PYTHONPATH"):
+    env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+cap = spec["cap"]
+outs = {"stdout": bytearray(), "stderr": bytearray()}
+def read(pipe, buf):
+    while True:
+        chunk = pipe.read1(65536)
+        if not chunk:
+            return
+        buf += chunk[: max(0, cap - len(buf))]
+t0 = time.monotonic()
+child = subprocess.Popen([sys.executable, *spec["argv"]], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         preexec_fn=drop, start_new_session=True)
+readers = [threading.Thread(target=read, args=(getattr(child, k), outs[k]), daemon=True)
+           for k in outs]
+for r in readers:
+    r.start()
+try:
+    code = child.wait(timeout=spec["time_s"])
+    timed_out = False
+except subprocess.TimeoutExpired:
+    code, timed_out = None, True
+wall = time.monotonic() - t0
+for _ in range(3):
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != 1]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.05)
+for r in readers:
+    r.join(2.0)
+child.poll()
+result = {k: base64.b64encode(bytes(v)).decode() for k, v in outs.items()}
+result.update(exit_code=code, timed_out=timed_out, wall_s=wall)
+sys.stdout.write(json.dumps(result) + "\n")
+sys.stdout.flush()
+"""
+
+SANDBOX_LABEL = "jetctl.sandbox"
+
+
+def _docker_client():  # type: ignore[no-untyped-def]
+    import docker
+
+    return docker.from_env(timeout=60)
+
+
 class DockerSandbox:
-    """A fresh locked-down container per run (see the module docstring)."""
+    """A fresh locked-down container per run (see the module docstring).
+
+    Talks to the engine through the docker SDK (`DOCKER_HOST` or /var/run/docker.sock) and
+    passes the files in the container's environment, not through a bind mount, so it works
+    the same from the host and from inside a client node's container that was given the
+    host's docker socket (the run's containers are then its siblings, not its children).
+    """
 
     name: BackendName = "docker"
 
@@ -264,61 +347,87 @@ class DockerSandbox:
         if problem:
             raise SandboxUnavailable(problem)
         self.image = image
+        self.client = _docker_client()
+        # runs whose caller was killed before it could remove them (exited by their own limit)
+        for old in self.client.containers.list(
+            all=True, filters={"label": SANDBOX_LABEL, "status": "exited"}
+        ):
+            _remove(old)
 
     def run(self, files: dict[str, str], argv: list[str], limits: Limits) -> RunResult:
-        name = f"jetctl-code-{secrets.token_hex(6)}"
-        with tempfile.TemporaryDirectory(prefix="jetctl-code-") as tmp:
-            workdir = Path(tmp) / "work"
-            workdir.mkdir()
-            _write_files(workdir, files, 65534)
-            cpu = int(limits.time_s) + 1
-            cmd = [
-                "docker", "run", "--rm", "--name", name,
-                "--network", "none", "--read-only",
-                "--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m",
-                "--pids-limit", str(limits.pids), "--cpus", "1",
-                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-                "--user", "65534:65534",
-                "--ulimit", f"fsize={limits.file_mb * 1024 * 1024}",
-                "--ulimit", f"cpu={cpu}:{cpu + 1}",
-                "--tmpfs", "/tmp:rw,size=16m,mode=1777",
-                "-v", f"{workdir}:/work:rw", "-w", "/work",
-                "-e", "HOME=/work", "-e", "TMPDIR=/work", "-e", "PYTHONDONTWRITEBYTECODE=1",
-                self.image,
-                # the container limits itself too, in case this process is killed first
-                "timeout", "-s", "KILL", f"{limits.time_s:g}", "python3", *argv,
-            ]  # fmt: skip
-            t0 = time.monotonic()
+        import docker
+
+        for file_name in files:
+            if "/" in file_name or file_name in ("", ".", ".."):
+                raise ValueError(f"sandbox file names must be plain names, got {file_name!r}")
+        spec = {
+            "files": files, "argv": argv, "time_s": limits.time_s,
+            "cpu": int(limits.time_s) + 1, "fsize": limits.file_mb * 1024 * 1024,
+            "uid": UID_BASE + secrets.randbelow(UID_SPAN), "cap": limits.output_chars * 4,
+        }  # fmt: skip
+        payload = base64.b64encode(json.dumps(spec).encode()).decode()
+        if len(payload) > 100_000:  # one environment string may hold 128 KiB
+            raise ValueError(f"sandbox files too large for one run ({len(payload)} bytes)")
+        work_mb = max(16, limits.file_mb * 4)
+        t0 = time.monotonic()
+        try:
+            container = self.client.containers.run(
+                self.image, ["python3", "-c", _DOCKER_BOOT], entrypoint=[],
+                name=f"jetctl-code-{secrets.token_hex(6)}", labels={SANDBOX_LABEL: "code"},
+                environment={"JETCTL_SANDBOX": payload}, user="0:0", working_dir="/work",
+                network_mode="none", read_only=True,
+                tmpfs={"/work": f"rw,exec,size={work_mb}m,mode=1777",
+                       "/tmp": "rw,size=16m,mode=1777"},
+                mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+                pids_limit=limits.pids + 3,  # + the boot process and its two output readers
+                nano_cpus=1_000_000_000, cap_drop=["ALL"], cap_add=["SETUID", "SETGID"],
+                security_opt=["no-new-privileges"], detach=True,
+            )  # fmt: skip
+        except docker.errors.ImageNotFound:
+            raise SandboxUnavailable(f"docker image {self.image!r} not found") from None
+        except docker.errors.APIError as e:
+            raise SandboxUnavailable(f"docker could not start the sandbox: {e}") from None
+        try:
             try:
-                proc = subprocess.run(
-                    cmd, stdin=subprocess.DEVNULL, capture_output=True, check=False,
-                    timeout=limits.time_s + 30 + KILL_GRACE_S,  # container start is not run time
-                )  # fmt: skip
-            except subprocess.TimeoutExpired:
-                subprocess.run(
-                    ["docker", "kill", name], capture_output=True, check=False, timeout=30
-                )
-                raise
-            wall = time.monotonic() - t0
-            # `timeout -s KILL` exits 137; docker itself uses 125-127 for its own failures
-            if proc.returncode in (125, 126, 127) and b"docker" in proc.stderr[:500].lower():
-                raise SandboxUnavailable(
-                    f"docker run failed: {proc.stderr.decode(errors='replace')[:500]}"
-                )
-            # 137 is also the OOM killer's mark: a timeout is one that ran the whole limit
-            timed_out = proc.returncode == 137 and wall >= limits.time_s
+                # container start is not run time; the boot process ends the run at time_s
+                container.wait(timeout=limits.time_s + 30 + KILL_GRACE_S)
+            except Exception:  # noqa: BLE001  # requests' ReadTimeout: the boot process hung
+                container.kill()
+                container.wait(timeout=30)
+            logs = container.logs(stdout=True, stderr=False)
+            boot_err = container.logs(stdout=False, stderr=True)[-2000:]
+        finally:
+            _remove(container)
+        lines = logs.decode(errors="replace").strip().splitlines()
+        try:
+            out = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            # no report: the boot process itself was killed (memory) or could not start
             return RunResult(
-                backend="docker",
-                exit_code=None if timed_out else proc.returncode,
-                stdout=proc.stdout[: limits.output_chars * 4].decode(errors="replace")[
-                    : limits.output_chars
-                ],
-                stderr=proc.stderr[: limits.output_chars * 4].decode(errors="replace")[
-                    : limits.output_chars
-                ],
-                timed_out=timed_out,
-                wall_s=wall,
-            )
+                backend="docker", exit_code=None, stdout="",
+                stderr=boot_err.decode(errors="replace"), timed_out=False,
+                wall_s=time.monotonic() - t0,
+            )  # fmt: skip
+
+        def text(key: str) -> str:
+            raw = base64.b64decode(out[key])
+            return raw.decode(errors="replace")[: limits.output_chars]
+
+        return RunResult(
+            backend="docker",
+            exit_code=out["exit_code"],
+            stdout=text("stdout"),
+            stderr=text("stderr"),
+            timed_out=bool(out["timed_out"]),
+            wall_s=float(out["wall_s"]),
+        )
+
+
+def _remove(container) -> None:  # type: ignore[no-untyped-def]
+    try:
+        container.remove(force=True)
+    except Exception:  # noqa: BLE001, S110  # already gone (removed by a concurrent cleanup)
+        pass
 
 
 def bwrap_problem() -> str | None:
@@ -344,19 +453,29 @@ def bwrap_problem() -> str | None:
 
 def docker_problem(image: str) -> str | None:
     """Why the docker backend cannot run `image` here, or None."""
-    if shutil.which("docker") is None:
-        return "docker CLI not found: apt-get install -y docker.io"
-    info = subprocess.run(["docker", "info"], capture_output=True, check=False, timeout=30)
-    if info.returncode != 0:
-        return "no docker engine reachable: start one (dockerd --data-root DIR &)"
-    inspect = subprocess.run(
-        ["docker", "image", "inspect", image], capture_output=True, check=False, timeout=30
-    )
-    if inspect.returncode != 0:
+    try:
+        import docker
+    except ImportError:
+        return "the docker SDK is missing: pip install 'jetctl[docker]'"
+    where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        client = docker.from_env(timeout=30)
+        client.ping()
+    except Exception as e:  # noqa: BLE001  # DockerException, connection errors: same answer
+        return (
+            f"no docker engine reachable at {where} ({type(e).__name__}): start one "
+            "(dockerd --data-root DIR &), or give the node the host's socket "
+            "(docker_socket: true in the recipe's task)"
+        )
+    try:
+        client.images.get(image)
+    except docker.errors.ImageNotFound:
         return (
             f"docker image {image!r} not found: build it with "
             "`jetctl images build code --offline-base` (or name another image)"
         )
+    except docker.errors.APIError as e:
+        return f"docker could not inspect image {image!r}: {e}"
     return None
 
 

@@ -479,6 +479,7 @@ class Controller:
             pids=res.pids,
             shm=res.shm,
             mounts=tuple(mounts),
+            docker_socket=self.recipe.tasks[node.task].docker_socket,
         )
 
     # -- the reconcile loop -------------------------------------------------------------

@@ -431,6 +431,8 @@ def token_logprobs(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
         logits_to_keep=keep,
         use_cache=False,
     )
-    logits = out.logits[pred[:, 0], column].float()  # [N, V]
+    logits = out.logits[pred[:, 0], column]  # [N, V]
+    # log-softmax in at least fp32 (bf16/fp16 models); float64 stays float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
     return logp.gather(-1, mb.targets.to(device)[:, None]).squeeze(-1)  # [N]

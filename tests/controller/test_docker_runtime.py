@@ -261,3 +261,45 @@ def test_down_without_a_controller_stops_and_removes_the_containers(
     assert stop_orphans(run_dir, grace=10) == 3  # the fake server process and two containers
     assert containers_of(docker_client, run_dir) == []
     assert {n for _, n, w, _ in events(run_dir) if w == "sigterm"} >= {"arith-0", "arith-1"}
+
+
+SANDBOX_PROBE = """
+from envs.code.sandbox import Limits, SandboxUnavailable, make_sandbox
+try:
+    box = make_sandbox("docker", "jetctl-code")
+except SandboxUnavailable as e:
+    print("UNAVAILABLE", e, flush=True)
+    raise SystemExit(0)
+r = box.run({"m.py": "import socket\\ntry:\\n    socket.create_connection(('1.1.1.1', 53), 1)\\n"
+             "    print('NET')\\nexcept OSError:\\n    print('no net')\\nprint(6 * 7)"},
+            ["m.py"], Limits(time_s=5.0))
+print("RESULT", r.backend, r.exit_code, " ".join(r.stdout.split()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("socket", [True, False])
+def test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes(
+    docker_client: Any, run_dir: Path, socket: bool
+) -> None:
+    """The code env inside a client container (cocktail's code task): with docker_socket its
+    sandbox runs as a sibling container, cut off from the network; without, it says why not."""
+    from jetctl.controller.runtimes.docker import DockerRuntime
+
+    docker_or_skip("jetctl-code")
+    rt = DockerRuntime(run_dir)
+    log = run_dir / "logs" / "code-0.log"
+    h = rt.start(NodeSpec(
+        name="code-0", kind="client", argv=["python", "-c", SANDBOX_PROBE], log_path=log,
+        container=ContainerSpec(image="jetctl-code", docker_socket=socket),
+    ))  # fmt: skip
+    try:
+        wait_for(lambda: not rt.poll(h).running, timeout_s=120, what="the probe")
+        text = log.read_text()
+        if socket:
+            assert "RESULT docker 0 no net 42" in text, text
+        else:
+            assert "UNAVAILABLE no docker engine reachable" in text, text
+    finally:
+        rt.release(h)
+    left = docker_client.containers.list(all=True, filters={"label": "jetctl.sandbox"})
+    assert left == [], "the sandbox container is removed after its run"

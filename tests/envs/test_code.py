@@ -37,7 +37,7 @@ from tests.factories import IN_CI
 pytestmark = pytest.mark.timeout(180)
 
 # the docker tier's image: jetctl-code (`jetctl images build code`), or any image with python3
-# and coreutils' timeout named by JET_CODE_IMAGE
+# named by JET_CODE_IMAGE
 CODE_IMAGE = os.environ.get("JET_CODE_IMAGE", DEFAULT_IMAGE)
 LIMITS = Limits(time_s=3.0, memory_mb=256, pids=16, file_mb=1)
 BACKENDS = [
@@ -340,8 +340,9 @@ def test_code_agent_runs_then_submits_through_the_proxy() -> None:
 def test_auto_never_falls_back_to_the_weak_process_sandbox(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither docker nor bwrap can be found
-    with pytest.raises(SandboxUnavailable, match=r"docker CLI not found.*bubblewrap.*'process'"):
+    monkeypatch.setenv("PATH", str(tmp_path))  # bwrap cannot be found
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")  # nor an engine
+    with pytest.raises(SandboxUnavailable, match=r"no docker engine.*bubblewrap.*'process'"):
         make_sandbox("auto", DEFAULT_IMAGE)
 
 

@@ -34,6 +34,7 @@ class ContainerSpec:
     pids: int | None = None
     shm: str | None = None
     mounts: tuple[tuple[Path, bool], ...] = ()  # (host path, read_only), mounted at that path
+    docker_socket: bool = False  # the engine's socket at /var/run/docker.sock (and its group)
 
 
 @dataclass(frozen=True)

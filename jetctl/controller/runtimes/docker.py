@@ -16,6 +16,9 @@ Each container:
   (tini reaps the rollouts' children and forwards SIGTERM, which drains the node);
 * is limited to `cpus` (nano_cpus), `memory` (mem_limit, no extra swap) and `pids`
   (pids_limit), with `/dev/shm` of `shm` (Chromium needs more than docker's 64m);
+* with `docker_socket` (recipe: `docker_socket: true`) gets the engine's unix socket at
+  /var/run/docker.sock and its group, so its env can start sibling containers (the code
+  env's sandbox); that is control of the host's engine, so it is off by default;
 * appends its stdout+stderr to `<run_dir>/logs/<node>.log`, like a process node.
 
 Restarts are the controller's (its backoff); docker's own restart policy stays off, and
@@ -76,6 +79,17 @@ def docker_client(timeout_s: float = 30.0) -> DockerClient:
             "or `dockerd &`) or point DOCKER_HOST at it"
         ) from None
     return client
+
+
+def engine_socket() -> Path:
+    """The engine's unix socket on this host (DOCKER_HOST or the default)."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if not host.startswith("unix://"):
+        raise OSError(f"docker_socket needs the engine on a unix socket; DOCKER_HOST is {host!r}")
+    path = Path(host.removeprefix("unix://"))
+    if not path.exists():
+        raise OSError(f"docker_socket: {path} does not exist (is dockerd running?)")
+    return path
 
 
 def container_name(run_dir: Path, node: str) -> str:
@@ -168,6 +182,10 @@ class DockerRuntime(Runtime):
             kwargs["pids_limit"] = c.pids
         if c.shm is not None:
             kwargs["shm_size"] = c.shm
+        if c.docker_socket:
+            sock = engine_socket()
+            volumes[str(sock)] = {"bind": "/var/run/docker.sock", "mode": "rw"}
+            kwargs["group_add"] = [str(sock.stat().st_gid)]  # the node runs as the caller's uid
         try:
             with self._lock:
                 self._remove_by_name(name)
