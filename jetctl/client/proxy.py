@@ -19,6 +19,7 @@ response, and vision/audio content parts (text parts only).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -151,6 +152,7 @@ class Proxy:
         self.default_model = default_model
         self.sampling = sampling
         self.timelines: dict[str, Timeline] = {}
+        self._generating: dict[str, set[asyncio.Task[Any]]] = {}  # rollout -> backend calls
         self.port: int | None = None
         self.requests = 0
         self.errors = 0
@@ -166,7 +168,13 @@ class Proxy:
         return timeline
 
     def close(self, rollout_id: str) -> Timeline:
-        """Stop recording for a rollout (later requests to its URL get 404) and return it."""
+        """Stop recording for a rollout (later requests to its URL get 404) and return it.
+
+        A generation still under way for it (the rollout timed out or died while waiting)
+        is cancelled, which cancels its Generate call: a server that has not started it yet
+        drops it instead of generating for a rollout that is gone."""
+        for task in self._generating.pop(rollout_id, set()):
+            task.cancel()
         return self.timelines.pop(rollout_id)
 
     def base_url(self, rollout_id: str) -> str:
@@ -178,7 +186,6 @@ class Proxy:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in the running event loop; returns the bound port."""
-        import asyncio
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -282,8 +289,18 @@ class Proxy:
                 param="messages",
             )
         params = self._params(body, plan.ids, room, served)
+        call_task = asyncio.ensure_future(served.backend.generate(params))
+        calls = self._generating.setdefault(rollout_id, set())
+        calls.add(call_task)
         try:
-            result = await served.backend.generate(params)
+            result = await call_task
+        except asyncio.CancelledError:
+            if not call_task.cancelled():
+                raise  # this handler itself was cancelled (the proxy is stopping)
+            raise ProxyError(
+                409, f"rollout {rollout_id!r} ended while its request was generating",
+                code="rollout_not_found",
+            ) from None
         except BackendError as e:
             raise ProxyError(
                 e.status,
@@ -291,7 +308,10 @@ class Proxy:
                 type_="server_error",
                 code="backend_unavailable",
             ) from e
-
+        finally:
+            calls.discard(call_task)
+            if not calls and self._generating.get(rollout_id) is calls:
+                del self._generating[rollout_id]
         ids, logprobs, finish = (
             list(result.completion_ids),
             list(result.completion_logprobs),

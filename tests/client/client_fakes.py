@@ -57,6 +57,7 @@ class FakeSwarm(pb_grpc.SwarmServicer):
     ack_code: Callable[[pb.TrajectoryGroup], int] = lambda _g: pb.Ack.ACCEPTED
     submit_faults: list[str | None] = field(default_factory=list)
     generate_delay_s: float = 0.0
+    generate_cancelled: int = 0  # Generate calls their caller cancelled while they waited
     stored: dict[str, pb.TrajectoryGroup] = field(default_factory=dict)
     submit_calls: list[list[str]] = field(default_factory=list)  # group ids per call
     submit_times: list[float] = field(default_factory=list)
@@ -92,7 +93,11 @@ class FakeSwarm(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad token")
         self.generate_calls.append(request)
         if self.generate_delay_s:
-            await asyncio.sleep(self.generate_delay_s)
+            try:
+                await asyncio.sleep(self.generate_delay_s)
+            except asyncio.CancelledError:  # the caller cancelled its call
+                self.generate_cancelled += 1
+                raise
         ids = list(
             self.tokenizer.encode(
                 self.reply_text(list(request.prompt_ids)), add_special_tokens=False

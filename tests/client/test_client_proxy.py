@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -126,4 +127,30 @@ async def test_errors_are_openai_errors(stack: tuple[FakeSwarm, Proxy]) -> None:
     )
     assert fake.generate_calls[-1].max_tokens == 256 - len(fake.generate_calls[-1].prompt_ids)
     assert proxy.close("r3").calls[0].finish_reason == "stop"
+    await client.close()
+
+
+async def test_a_closed_rollout_cancels_its_generation_at_the_server(
+    stack: tuple[FakeSwarm, Proxy],
+) -> None:
+    """A rollout that times out while its request waits for the model: closing it cancels
+    the Generate call, so the server does not generate for a rollout that is gone."""
+    fake, proxy = stack
+    fake.generate_delay_s = 30.0
+    proxy.open("r4")
+    client = openai.AsyncOpenAI(base_url=proxy.base_url("r4"), api_key="x", max_retries=0)
+    request = asyncio.create_task(client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}]
+    ))
+    while not fake.generate_calls:
+        await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    assert proxy.close("r4").calls == []
+    with pytest.raises(openai.ConflictError, match="ended while its request was generating"):
+        await request
+    assert time.monotonic() - t0 < 10, "the waiting request is answered at once"
+    deadline = time.monotonic() + 10
+    while not fake.generate_cancelled and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert fake.generate_cancelled == 1
     await client.close()
