@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AttnImplementation = Literal["eager", "sdpa"]
+# jetctl_tree: sdpa, plus per-segment attention on tree-packed rows (server/tree_attention.py)
+AttnImplementation = Literal["eager", "sdpa", "jetctl_tree"]
 
 BUILTINS: dict[str, str] = {
     "builtin:tiny": "deterministic tiny Llama (hidden 64, 2 layers, ~2k BPE vocab, ChatML)",
@@ -437,9 +438,15 @@ def load_model(
     progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, tokenizer). `eager` attention adds 4-D float masks as given
-    (FACTS: pass additive 0 / finfo.min masks, never boolean ones)."""
+    (FACTS: pass additive 0 / finfo.min masks, never boolean ones); `jetctl_tree` is `sdpa`
+    that computes tree-packed rows segment by segment (jetctl/server/tree_attention.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if attn_implementation == "jetctl_tree":
+        from jetctl.server.tree_attention import register
+
+        register()
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in torch_dtype:

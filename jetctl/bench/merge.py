@@ -11,7 +11,9 @@ logprobs are fixed pseudo-random numbers):
 4. three agents discussing a shared ~2k-token document, 3 rounds (one group).
 
 For every (workload, mode) a fresh spawned process loads the model as the server does
-(``finetune: lora`` with the recipe's LoRA defaults, fp32) and runs exactly the trainer's
+(``finetune: lora`` with the recipe's LoRA defaults, fp32, ``--attn jetctl_tree``: sdpa
+that computes a tree-packed row segment by segment, jetctl/server/tree_attention.py;
+``off`` / ``linear`` rows run plain sdpa under it) and runs exactly the trainer's
 path (``Trainer._optimize``): timeline_sequences -> pack under
 ``max_tokens_per_microbatch`` -> token_logprobs -> grpo_loss -> backward, per micro-batch.
 It reports tokens fed per optimizer step, forward and backward seconds (median over
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     from jetctl.server.merge import MergeMode
 
 MODES: tuple[MergeMode, ...] = ("off", "linear", "tree")
-Attention = Literal["eager", "sdpa"]
+Attention = Literal["jetctl_tree", "sdpa", "eager"]  # jetctl.models.AttnImplementation
 Finetune = Literal["lora", "full"]
 
 
@@ -579,7 +581,7 @@ def measure_in_subprocess(workload: Workload, mode: MergeMode, opts: RunOptions)
         raise BenchError(
             f"workload {workload.number} mode {mode}: the worker died with exit code "
             f"{proc.exitcode} (killed for memory? try --max-tokens-per-microbatch lower or "
-            "--attn sdpa)"
+            "--attn jetctl_tree or sdpa rather than eager)"
         ) from None
     proc.join()
     if status != "ok":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 
@@ -50,7 +50,9 @@ def register(app: typer.Typer) -> None:
         repeats: Annotated[int, typer.Option(help="Timed steps per cell (median).")] = 1,
         quick: Annotated[bool, typer.Option(help="Small workloads (tests, smoke runs).")] = False,
         finetune: Annotated[str, typer.Option(help="lora (the recipe default) or full.")] = "lora",
-        attn: Annotated[str, typer.Option(help="Attention kernel: sdpa or eager.")] = "sdpa",
+        attn: Annotated[str, typer.Option(
+            help="Attention kernel: jetctl_tree (the server's: sdpa, and only the visible "
+                 "scores of tree-packed rows), sdpa or eager.")] = "jetctl_tree",
         max_tokens_per_microbatch: Annotated[int | None, typer.Option(
             help="Micro-batch token budget (default: the recipe's).")] = None,
         json_out: Annotated[str | None, typer.Option(
@@ -87,8 +89,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--repeats ({repeats}) must be at least 1")
         if finetune not in ("lora", "full"):
             fail(f"--finetune {finetune!r}: choose lora or full")
-        if attn not in ("sdpa", "eager"):
-            fail(f"--attn {attn!r}: choose sdpa or eager")
+        if attn not in get_args(bm.Attention):
+            fail(f"--attn {attn!r}: choose {', '.join(get_args(bm.Attention))}")
         train = TrainConfig()
         budget = max_tokens_per_microbatch or train.max_tokens_per_microbatch
         if budget < 1:

@@ -19,10 +19,14 @@ What it does (docs/architecture.md section 5, "Timeline merging"):
    would be silently wrong under eager attention (it is added to the scores), hence float.
    Each target token is scored from the logits at its parent's position in the row, so
    several branches may be scored from one position (``pred_index`` rows repeat).
+   The row also carries its ``TreeLayout`` (runs of trie nodes without a branch and their
+   parents), with which the ``jetctl_tree`` attention kernel (tree_attention.py) computes
+   only the scores the mask leaves visible.
    A tree row that holds a single sequence (one agent's timeline) gets the ``linear``
    layout: nothing branches, and kernels can then take their causal path.
 3. ``token_logprobs(model, mb)`` runs the forward pass and returns the log-probability of
-   every target, computing logits and log-softmax only at the scored positions.
+   every target, computing logits and log-softmax only at the scored positions; a model
+   loaded with ``attn_implementation="jetctl_tree"`` gets the row's layout as well.
 4. ``merge_stats(naive, microbatches)`` gives the ``merge/*`` step scalars.
 
 Merged and naive training give the same per-token log-probs, loss and gradients up to
@@ -31,11 +35,12 @@ fp32 reduction order (tests/server/test_merge.py checks 1e-5 relative).
 Run the checks: ``.venv/bin/pytest tests/server/test_merge.py``.
 
 Left out: attention kernels that ignore custom 4-D masks (``flash_attention_2``; use
-``eager`` or ``sdpa`` with ``tree``); an O(T^2) mask per row, so keep the tree budget to
-a few thousand tokens (fp32 mask at T=8192 is 256 MiB); bin-packing beyond greedy
-first-fit over sorted sequences; per-call loss normalisation (a merged sequence no longer
-knows which call each token came from; use token-level or per-trajectory normalisation,
-which merging preserves); calls with an empty completion are skipped (nothing to score).
+``jetctl_tree``, ``sdpa`` or ``eager`` with ``tree``); an O(T^2) mask per row, built even
+when ``jetctl_tree`` does not read it, so keep the tree budget to a few thousand tokens
+(fp32 mask at T=8192 is 256 MiB); bin-packing beyond greedy first-fit over sorted
+sequences; per-call loss normalisation (a merged sequence no longer knows which call each
+token came from; use token-level or per-trajectory normalisation, which merging
+preserves); calls with an empty completion are skipped (nothing to score).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from jetctl.server.tree_attention import TreeLayout, uses_tree_attention
 from jetctl.types import Trajectory
 
 MergeMode = Literal["off", "linear", "tree"]
@@ -94,6 +100,7 @@ class MicroBatch:
     seq_index: torch.Tensor  # [N] index into the `sequences` list passed to pack()
     token_index: torch.Tensor  # [N] index of the target in sequences[seq_index].tokens
     num_tokens: int  # real (non-pad) tokens fed to the model
+    tree_layout: TreeLayout | None = None  # a trie row's segments (tree_attention.py)
 
     @property
     def num_targets(self) -> int:
@@ -116,6 +123,7 @@ class MicroBatch:
             seq_index=self.seq_index.to(device),
             token_index=self.token_index.to(device),
             num_tokens=self.num_tokens,
+            tree_layout=self.tree_layout,
         )
 
 
@@ -354,7 +362,25 @@ def _tree_microbatch(
         position_ids=torch.tensor([node_depth], dtype=torch.long),  # [1, T]
         attention_mask=mask[None, None],  # [1, 1, T, T]
         num_tokens=n,
+        tree_layout=_segments(node_parent, children),
     )
+
+
+def _segments(node_parent: list[int], children: list[dict[int, int]]) -> TreeLayout:
+    """Cut the preorder trie row into runs of nodes without a branch (tree_attention.py).
+
+    A node starts a segment unless it is the only child of its parent; an only child comes
+    right after its parent in preorder, so every segment is a contiguous span of the row.
+    """
+    bounds: list[int] = []
+    parents: list[int] = []
+    segment_of: list[int] = []  # per node
+    for j, p in enumerate(node_parent):
+        if p < 0 or len(children[p]) > 1:
+            bounds.append(j)
+            parents.append(segment_of[p] if p >= 0 else -1)
+        segment_of.append(len(parents) - 1)
+    return TreeLayout(bounds=(*bounds, len(node_parent)), parents=tuple(parents))
 
 
 class _Targets:
@@ -382,6 +408,7 @@ class _Targets:
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         num_tokens: int,
+        tree_layout: TreeLayout | None = None,
     ) -> MicroBatch:
         return MicroBatch(
             input_ids=input_ids,
@@ -394,6 +421,7 @@ class _Targets:
             seq_index=torch.tensor(self.seq_index, dtype=torch.long),  # [N]
             token_index=torch.tensor(self.token_index, dtype=torch.long),  # [N]
             num_tokens=num_tokens,
+            tree_layout=tree_layout,
         )
 
 
@@ -424,12 +452,17 @@ def token_logprobs(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
         )
     pred = mb.pred_index.to(device)  # [N, 2]
     keep, column = torch.unique(pred[:, 1], return_inverse=True)  # [K], [N]
+    # the trie's segments go to the jetctl_tree kernel as a keyword of this call (it skips
+    # the scores the mask would hide); other kernels use the dense mask and never see it
+    use_layout = mb.tree_layout is not None and uses_tree_attention(model)
+    tree = {"tree_layout": mb.tree_layout} if use_layout else {}
     out = model(
         input_ids=mb.input_ids.to(device),
         attention_mask=mask,
         position_ids=mb.position_ids.to(device),
         logits_to_keep=keep,
         use_cache=False,
+        **tree,
     )
     logits = out.logits[pred[:, 0], column]  # [N, V]
     # log-softmax in at least fp32 (bf16/fp16 models); float64 stays float64

@@ -71,6 +71,7 @@ def test_bench_runs_and_its_ratios_come_from_its_measurements(tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert "jetctl bench merge" in result.output and "tokens x" in result.output
     data = json.loads(out.read_text())
+    assert data["options"]["attn"] == "jetctl_tree"  # the server's kernel, the default
     cells = {(r["workload"], r["mode"]): r for r in data["results"]}
     assert set(cells) == {(4, m) for m in ("off", "linear", "tree")}
     for (w, _), r in cells.items():
@@ -94,3 +95,10 @@ def test_unknown_workload_is_one_red_line() -> None:
     result = CliRunner().invoke(build_app(), ["bench", "merge", "--workloads", "1,7"])
     assert result.exit_code == 1
     assert "choose from 1, 2, 3, 4" in result.output
+
+
+@pytest.mark.unit
+def test_unknown_attention_is_one_red_line() -> None:
+    result = CliRunner().invoke(build_app(), ["bench", "merge", "--attn", "flash"])
+    assert result.exit_code == 1
+    assert "choose jetctl_tree, sdpa, eager" in result.output

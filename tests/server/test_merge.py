@@ -5,24 +5,32 @@ its own, with no mask and default positions, and each completion token is scored
 logits just before it. The merged path (timeline_sequences -> pack -> token_logprobs) must
 agree per token, in the loss and in every gradient.
 
+Every exactness test runs under three attention kernels: ``eager`` (adds the mask to the
+scores), ``sdpa`` (hands it to torch) and ``jetctl_tree`` (jetctl/server/tree_attention.py:
+per trie segment, only the visible keys; sdpa for padded rows).
+
 Tolerance: 1e-5 relative, fp32. The two paths do the same arithmetic on the same values,
 except that matmuls and softmax sums over different sequence lengths/layouts reduce in a
 different order, and masked keys contribute exp(finfo.min) = 0 exactly. fp32 rounding is
-~6e-8 per op; measured here: log-probs within 5e-7, gradients within 2e-7 relative. Real
-mistakes are far above 1e-5 on this model: position ids 0..T-1 instead of the trie depth
-move log-probs by 2e-3, a plain causal mask (siblings visible) by 4e-2, a boolean 4-D mask
-under eager attention by 0.18.
+~6e-8 per op; measured here: log-probs within 5e-7, gradients within 5e-7 relative (every
+check prints its figures: ``pytest -s``). Real mistakes are far above 1e-5 on this model:
+position ids 0..T-1 instead of the trie depth move log-probs by 2e-3, a plain causal mask
+(siblings visible) by 4e-2, a boolean 4-D mask under eager attention by 0.18, a tree layout
+in which one branch sees its sibling by ~1e-2 (test_a_wrong_tree_layout_is_caught).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from jetctl.server import tree_attention
 from jetctl.server.merge import (
     MergeMode,
     MicroBatch,
@@ -38,9 +46,11 @@ pytestmark = pytest.mark.unit
 
 VOCAB = 300
 RTOL = 1e-5  # see the module docstring
+ATTENTIONS = ["eager", "sdpa", tree_attention.ATTN_IMPLEMENTATION]
 
 
 def tiny_llama(attn: str = "eager", seed: int = 0) -> LlamaForCausalLM:
+    tree_attention.register()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -51,7 +61,7 @@ def tiny_llama(attn: str = "eager", seed: int = 0) -> LlamaForCausalLM:
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    config._attn_implementation = attn  # "eager" adds the mask to the scores; "sdpa" passes it on
+    config._attn_implementation = attn  # one of ATTENTIONS
     model = LlamaForCausalLM(config).float()
     assert model.config._attn_implementation == attn
     return model
@@ -129,8 +139,12 @@ def check_exact(
     trajs: list[tuple[Trajectory, float]],
     mode: MergeMode,
     budget: int = 10_000,
+    alter: Callable[[MicroBatch], MicroBatch] | None = None,
 ) -> list[MicroBatch]:
-    """Assert merged == naive for logprobs, loss and gradient; return the micro-batches."""
+    """Assert merged == naive for logprobs, loss and gradient; return the micro-batches.
+
+    ``alter`` rewrites each packed micro-batch before it runs (tests that must fail).
+    """
     model.zero_grad()
     ref_logps, ref_loss = naive(model, trajs)
     ref_loss.backward()
@@ -139,6 +153,8 @@ def check_exact(
 
     seqs = [s for t, adv in trajs for s in timeline_sequences(t, adv, mode)]
     mbs = pack(seqs, mode, budget)
+    if alter is not None:
+        mbs = [alter(mb) for mb in mbs]
     n_total = sum(mb.num_targets for mb in mbs)
     assert n_total == len(ref_logps)
     loss = torch.zeros(())
@@ -151,12 +167,17 @@ def check_exact(
 
     assert got.keys() == ref_logps.keys()
     ref = torch.stack([ref_logps[k].detach() for k in got])
+    lp_err = (torch.stack(list(got.values())) - ref).abs().max().item()
+    loss_err = ((loss - ref_loss.detach()).abs() / ref_loss.abs()).item()
+    g = grads(model)
+    rel = ((g - ref_grad).norm() / ref_grad.norm()).item()
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+    print(f"{attn} {mode}: logprob max abs error {lp_err:.1e}, loss {loss_err:.1e} relative, "
+          f"gradient {rel:.1e} relative")
     torch.testing.assert_close(torch.stack(list(got.values())), ref, rtol=RTOL, atol=RTOL)
     torch.testing.assert_close(
         loss, ref_loss.detach(), rtol=RTOL, atol=RTOL * ref_loss.abs().item()
     )
-    g = grads(model)
-    rel = ((g - ref_grad).norm() / ref_grad.norm()).item()
     assert rel <= RTOL, f"gradient differs by {rel:.2e} relative"
     model.zero_grad()
     return mbs
@@ -244,6 +265,11 @@ def test_tree_mask_sees_ancestors_only_and_positions_continue() -> None:
         [1, 1, 1, 0, 0, 0, 1],
     ]
     assert mb.attention_mask.min().item() == torch.finfo(torch.float32).min
+    # segments for the tree kernel: [1 2 3] [4] [5] [7] [6]; 5 and 7 hang off 4, 6 off the root
+    assert mb.tree_layout == tree_attention.TreeLayout(
+        bounds=(0, 3, 4, 5, 6, 7), parents=(-1, 0, 1, 1, 0)
+    )
+    assert mb.tree_layout.chains == ((0,), (0, 1), (0, 1, 2), (0, 1, 3), (0, 4))
     # token 4 is generated in both a and c: scored twice from position 2 (token 3)
     assert sorted(zip(mb.pred_index[:, 1].tolist(), mb.targets.tolist())) == [
         (2, 4),
@@ -288,7 +314,7 @@ def test_merge_stats_count_naive_and_packed_tokens() -> None:
 # ----------------------------------------------------------------------------- exactness
 
 
-@pytest.fixture(scope="module", params=["eager", "sdpa"])
+@pytest.fixture(scope="module", params=ATTENTIONS)
 def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
     return tiny_llama(request.param)
 
@@ -302,18 +328,28 @@ def test_linear_timeline_is_exact(model: LlamaForCausalLM, mode: MergeMode) -> N
         assert len(mbs) == 1 and mbs[0].input_ids.shape[0] == 1  # four calls, one row
 
 
-def test_grpo_group_shared_prompt_is_one_row(model: LlamaForCausalLM) -> None:
-    rng = random.Random(11)
+# (trajectories with advantages, prompt, completions)
+Group = tuple[list[tuple[Trajectory, float]], list[int], list[list[int]]]
+
+
+def grpo_group(rng: random.Random) -> Group:
+    """G = 4 completions of one prompt, two of them sharing their first two tokens."""
     prompt = toks(rng, 20)
     head = toks(rng, 2)  # two completions start alike: a nested branch point in the trie
     completions = [head + toks(rng, 4), head + toks(rng, 3), toks(rng, 5), toks(rng, 6)]
-    advs = [1.2, -0.3, 0.5, -1.4]  # G = 4
+    advs = [1.2, -0.3, 0.5, -1.4]
     trajs = [
         (traj(f"r{i}", [call(prompt, c, rng)]), a)
         for i, (c, a) in enumerate(zip(completions, advs))
     ]
+    return trajs, prompt, completions
+
+
+def test_grpo_group_shared_prompt_is_one_row(model: LlamaForCausalLM) -> None:
+    trajs, prompt, completions = grpo_group(random.Random(11))
     (mb,) = check_exact(model, trajs, "tree")
     assert mb.num_tokens == len(prompt) + 2 + sum(len(c) - 2 for c in completions[:2]) + 11
+    assert mb.tree_layout is not None and mb.tree_layout.num_segments == 6
 
 
 def test_two_agents_sharing_a_document_are_exact(model: LlamaForCausalLM) -> None:
@@ -356,10 +392,11 @@ def test_microbatches_accumulate_to_the_same_gradient(
     assert all(mb.padded_tokens <= 40 for mb in mbs)
 
 
-def test_lora_model_is_exact() -> None:
+@pytest.mark.parametrize("attn", ATTENTIONS)
+def test_lora_model_is_exact(attn: str) -> None:
     from peft import LoraConfig, get_peft_model
 
-    base = tiny_llama("eager", seed=1)
+    base = tiny_llama(attn, seed=1)
     # init_lora_weights=False: random A and B, so the adapter changes the output and both
     # A and B get gradients (the default B = 0 would leave A's gradient at exactly zero)
     lora = get_peft_model(
@@ -371,9 +408,109 @@ def test_lora_model_is_exact() -> None:
     trajs = [
         (linear_timeline(rng, f"r{i}", prompt, turns=2), a) for i, a in enumerate([1.0, -1.0, 0.5])
     ]
+    # the PEFT wrapper passes the tree layout on to the kernel
+    assert tree_attention.uses_tree_attention(lora) == (attn == tree_attention.ATTN_IMPLEMENTATION)
     check_exact(lora, trajs, "tree")
     check_exact(lora, trajs, "linear")
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+
+
+def sibling_visible(mb: MicroBatch) -> MicroBatch:
+    """The same micro-batch with a wrong layout: the last branch also sees its elder sibling."""
+    layout = mb.tree_layout
+    assert layout is not None
+    parents = list(layout.parents)
+    i = max(i for i, p in enumerate(parents) if p >= 0 and parents.index(p) < i)
+    parents[i] = parents.index(parents[i])  # its parent's first child, a sibling of i
+    wrong = tree_attention.TreeLayout(bounds=layout.bounds, parents=tuple(parents))
+    return dataclasses.replace(mb, tree_layout=wrong)
+
+
+def test_a_wrong_tree_layout_is_caught() -> None:
+    """The exactness check fails when the tree kernel lets one branch see its sibling.
+
+    Proves both that the kernel follows the layout (not the dense mask, which stays right)
+    and that check_exact is sharp enough to notice a leak between branches.
+    """
+    model = tiny_llama(tree_attention.ATTN_IMPLEMENTATION)
+    trajs, _, _ = grpo_group(random.Random(11))
+    check_exact(model, trajs, "tree")
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        check_exact(model, trajs, "tree", alter=sibling_visible)
+
+
+def test_tree_kernel_equals_dense_sdpa_on_random_tries() -> None:
+    """The kernel alone, on nested tries with several roots: outputs and input gradients."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rng = random.Random(19)
+    module = torch.nn.Module()
+    module.is_causal = True  # type: ignore[assignment]
+    module.num_key_value_groups = 2  # type: ignore[assignment]
+    for trial in range(5):
+        stems = [toks(rng, rng.randrange(1, 12)) for _ in range(rng.randrange(1, 3))]
+        seqs = []
+        for n in range(rng.randrange(2, 9)):
+            tokens = list(rng.choice(stems))
+            for _ in range(rng.randrange(1, 4)):  # nested branch points
+                tokens += rng.choice([toks(rng, rng.randrange(1, 9)), [7, 8, 9]])
+            seqs.append(TrainSequence(tokens, [False] * len(tokens), [0.0] * len(tokens),
+                                      1.0, str(n), "g"))
+        (mb,) = pack(seqs, "tree", 10_000)
+        assert mb.tree_layout is not None
+        t = mb.num_tokens
+        torch.manual_seed(trial)
+        q = torch.randn(1, 4, t, 8, requires_grad=True)  # [B, H, T, D]
+        k = torch.randn(1, 2, t, 8, requires_grad=True)  # [B, kv_heads, T, D]
+        v = torch.randn(1, 2, t, 8, requires_grad=True)
+        dense, _ = sdpa_attention_forward(module, q, k, v, mb.attention_mask, scaling=0.3)
+        tree, _ = tree_attention.tree_attention_forward(
+            module, q, k, v, mb.attention_mask, scaling=0.3, tree_layout=mb.tree_layout
+        )  # [B, T, H, D]
+        weights = torch.linspace(-1, 1, dense.numel()).view_as(dense)
+        want = torch.autograd.grad((dense * weights).sum(), (q, k, v))
+        got = torch.autograd.grad((tree * weights).sum(), (q, k, v))
+        torch.testing.assert_close(tree, dense, rtol=RTOL, atol=RTOL)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=RTOL, atol=RTOL)
+
+
+def test_many_segments_fall_back_to_the_dense_mask() -> None:
+    """Past MAX_SEGMENTS the kernel runs dense sdpa with the 4-D mask: exact, layout unused."""
+    rng = random.Random(17)
+    prompt = toks(rng, 8)
+    g = tree_attention.MAX_SEGMENTS + 6
+    trajs = [(traj(f"r{i}", [call(prompt, toks(rng, 3), rng)]), (i % 3) - 1.0) for i in range(g)]
+    model = tiny_llama(tree_attention.ATTN_IMPLEMENTATION)
+    (mb,) = check_exact(model, trajs, "tree")
+    assert mb.tree_layout is not None
+    assert mb.tree_layout.num_segments > tree_attention.MAX_SEGMENTS
+    check_exact(model, trajs, "tree", alter=sibling_visible)  # the layout is not consulted
+
+
+def test_tree_kernel_without_a_layout_is_sdpa() -> None:
+    """Padded 2-D-mask forwards and generation with jetctl_tree are sdpa's, bit for bit."""
+    sdpa = tiny_llama("sdpa")
+    tree = tiny_llama(tree_attention.ATTN_IMPLEMENTATION)
+    rng = random.Random(18)
+    rows = [toks(rng, n) for n in (9, 4, 6)]
+    ids = torch.zeros(3, 9, dtype=torch.long)  # [B, T], left padded as the engine does
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, 9 - len(row):] = torch.tensor(row)
+        mask[r, 9 - len(row):] = 1
+    with torch.no_grad():
+        want = sdpa(input_ids=ids, attention_mask=mask).logits
+        got = tree(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(got, want)
+        kwargs: dict[str, Any] = {
+            "input_ids": ids, "attention_mask": mask, "max_new_tokens": 6, "do_sample": False,
+            "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True,
+        }
+        want_gen = sdpa.generate(**kwargs)
+        got_gen = tree.generate(**kwargs)
+    assert torch.equal(got_gen.sequences, want_gen.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got_gen.logits, want_gen.logits))
 
 
 def test_mask_is_remade_for_a_lower_precision_model() -> None:
