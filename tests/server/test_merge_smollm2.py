@@ -2,8 +2,9 @@
 
 Same check as tests/server/test_merge.py, on the real model and real chats: the bench's
 4-call tool agent (one linear timeline) and a GRPO group of G = 8 completions of one
-prompt (a prefix tree), at the bench's --quick sizes, under eager (the server's) and sdpa
-(the bench's) attention. The reference is a plain loop: every LLM call on its own, no
+prompt (a prefix tree), at the bench's --quick sizes, under eager attention and under
+jetctl_tree (jetctl/server/tree_attention.py: the server's and the bench's), which attends
+per trie segment on tree rows and is sdpa elsewhere. The reference is a plain loop: every LLM call on its own, no
 mask, default positions, each completion token scored from the logits before it, one GRPO
 loss (jetctl.server.algorithms.grpo) over all of them. The merged path is the trainer's:
 timeline_sequences -> pack -> token_logprobs -> grpo_loss -> backward per micro-batch.
@@ -14,19 +15,22 @@ small noise instead of zero so that A gets gradient too.
 Tolerance: 1e-5 relative, fp32. Both paths compute the same values; matmuls and softmax
 sums over other lengths and layouts (a padded batch, a trie row with masked keys whose
 exp(finfo.min) is exactly 0) only reduce in another order. fp32 rounds at 6e-8 per op;
-through 30 layers and ~500-token rows, measured: log-probs 1.4e-5 absolute, loss 2.4e-7,
-linear-timeline gradient 3.5e-6 relative; the GRPO group's gradient 1.5-1.7e-5 relative
-(GROUP_GRAD_RTOL says why it gets 5e-5). Real mistakes are orders of magnitude above
-these: a position or mask error moves log-probs by 1e-3 or more (test_merge.py).
+through 30 layers and ~500-token rows, measured: log-probs 1.4e-5 absolute, loss 1-2e-7,
+linear-timeline gradient 3-3.5e-6 relative. The GRPO group's loss and gradient cancel
+(GROUP_RTOL: 5e-5 in fp32); test_group_is_exact_in_float64 holds them to 1e-10 in float64
+and shows that merging adds no fp32 error of its own. Real mistakes are orders of
+magnitude above these: a position or mask error moves log-probs by 1e-3 or more
+(test_merge.py).
 
 Run: ``.venv/bin/pytest -m slow tests/server/test_merge_smollm2.py`` (minutes on 2 idle
-cores; 28 min on the busy shared box: the reference loop runs every call separately).
+cores, 3 min measured; the reference loop runs every call separately).
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import types
 from typing import Any
 
 import pytest
@@ -42,16 +46,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # minutes on a busy 
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 RTOL = 1e-5  # see the module docstring
-# A GRPO group's advantages sum to zero, so the prompt's gradient terms of the G rollouts
-# cancel and ||g|| is far below the terms summed into it: the same fp32 rounding is a
-# larger fraction of it. Measured fp32 gap: 1.5e-5 (eager) and 1.7e-5 (sdpa) relative,
-# while each fp32 path is that far from the float64 gradient on its own and the float64
-# paths agree to ~1e-13 (test_group_gradient_is_exact_in_float64).
-GROUP_GRAD_RTOL = 5e-5
+# A GRPO group's advantages sum to zero, so the G rollouts' terms of the loss, and of the
+# prompt's gradient, cancel: loss and ||g|| are far below the terms summed into them, and
+# the same fp32 rounding is a larger fraction of them. Measured fp32 gaps: loss 1.3-1.7e-5,
+# gradient 1.5-1.7e-5 relative, while each fp32 path is that far from float64 on its own
+# and the float64 paths agree (test_group_is_exact_in_float64).
+GROUP_RTOL = 5e-5
 CLIP_EPS = 0.2
 
 
-@pytest.fixture(scope="module", params=["eager", "sdpa"])
+@pytest.fixture(scope="module", params=["eager", "jetctl_tree"])
 def model(request: pytest.FixtureRequest) -> Any:
     lora = trainable_model(SMOLLM2, "lora", request.param)
     gen = torch.Generator().manual_seed(0)
@@ -157,42 +161,72 @@ def test_merged_equals_call_by_call(
     merged_lp = torch.tensor([got[k] for k in ref_keys])
     lp_gap = (merged_lp - ref_lp.detach()).abs().max().item()
     torch.testing.assert_close(merged_lp, ref_lp.detach(), rtol=RTOL, atol=RTOL)
+    # the group's fp32 loss and gradient are held to fp32's own floor, measured against
+    # float64 in test_group_is_exact_in_float64 (GROUP_RTOL says why it is above 1e-5)
+    rtol = GROUP_RTOL if workload == "grpo" else RTOL
     loss_gap = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    assert loss_gap <= RTOL, f"loss differs by {loss_gap:.2e} relative"
+    assert loss_gap <= rtol, f"loss differs by {loss_gap:.2e} relative"
     grad_gap = rel(grads(model), ref_grad)
-    # the group's fp32 gradient is held to fp32's own floor, measured against float64 in
-    # test_group_gradient_is_exact_in_float64 (GROUP_GRAD_RTOL says why it is above 1e-5)
-    grad_rtol = GROUP_GRAD_RTOL if workload == "grpo" else RTOL
-    assert grad_gap <= grad_rtol, f"gradient differs by {grad_gap:.2e} relative"
+    assert grad_gap <= rtol, f"gradient differs by {grad_gap:.2e} relative"
     print(f"{workload}/{mode}: logprob {lp_gap:.1e}, loss {loss_gap:.1e}, grad {grad_gap:.1e}")
     model.zero_grad(set_to_none=True)
 
 
-def test_group_gradient_is_exact_in_float64(model: Any, workloads: dict[str, Workload]) -> None:
-    """The GRPO group's gradient, where fp32 rounding alone reaches 1.5e-5 relative: in
-    float64 merged and call-by-call agree to far below 1e-5 (so the packing is exact), and
-    in fp32 the merged gradient is as close to the float64 truth as the call-by-call one
-    (so merging adds no error of its own)."""
+def _rmsnorm_in_own_dtype(self: Any, x: torch.Tensor) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def float64_copy(model: Any) -> Any:
+    """The model in float64 throughout. transformers computes RMSNorm and eager attention's
+    softmax in float32 whatever the model's dtype (made for fp16/bf16); those would leave
+    fp32 rounding in a "float64" run, so the copy normalizes in float64 and uses sdpa
+    (the same dense mask as eager) where the model was eager."""
+    m64 = copy.deepcopy(model).double()
+    for module in m64.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rmsnorm_in_own_dtype, module)
+    if m64.config._attn_implementation == "eager":
+        m64.set_attn_implementation("sdpa")
+    return m64
+
+
+def test_group_is_exact_in_float64(model: Any, workloads: dict[str, Workload]) -> None:
+    """The GRPO group's loss and gradient, where fp32 rounding alone reaches 1-2e-5 relative
+    (GROUP_RTOL): in float64 merged and call-by-call agree to far below 1e-5 (so the
+    packing is exact), and in fp32 the merged values are as close to the float64 truth as
+    the call-by-call ones (so merging adds no error of its own)."""
     trajs = workloads["grpo"].trajectories
     set_behaviour_logprobs(model, trajs)
 
-    def both(m: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def both(m: Any) -> tuple[float, torch.Tensor, float, torch.Tensor]:
         m.zero_grad(set_to_none=True)
-        reference(m, trajs)[0].backward()
+        ref_loss = reference(m, trajs)[0]
+        ref_loss.backward()
         ref = grads(m).clone()
         m.zero_grad(set_to_none=True)
-        merged(m, trajs, "tree")
+        loss, _ = merged(m, trajs, "tree")
         out = grads(m).clone()
         m.zero_grad(set_to_none=True)
-        return ref, out
+        return ref_loss.item(), ref, loss.item(), out
 
-    ref32, merged32 = both(model)
-    ref64, merged64 = both(copy.deepcopy(model).double())
-    exact = rel(merged64, ref64)
+    ref_loss32, ref32, loss32, merged32 = both(model)
+    ref_loss64, ref64, loss64, merged64 = both(float64_copy(model))
+    exact_grad = rel(merged64, ref64)
+    exact_loss = abs(loss64 - ref_loss64) / abs(ref_loss64)
     naive_err, merged_err = rel(ref32, ref64), rel(merged32, ref64)
-    print(f"grpo/tree float64 gap {exact:.1e}; fp32 vs float64: call-by-call {naive_err:.1e},"
-          f" merged {merged_err:.1e}")
-    assert exact <= 1e-10, f"float64 gradients differ by {exact:.2e} relative"
+    # the loss is one sum of terms +-|advantage| (ratios ~1) that cancel to far less than
+    # their size: its fp32 error is measured against the size of the terms it sums
+    sizes = [(sum(len(c.completion_ids) for c in t.calls), abs(a)) for t, a in trajs]
+    term_size = sum(n * a for n, a in sizes) / sum(n for n, _ in sizes)
+    naive_loss_err = abs(ref_loss32 - ref_loss64) / term_size
+    merged_loss_err = abs(loss32 - ref_loss64) / term_size
+    print(f"grpo/tree float64: loss gap {exact_loss:.1e}, gradient gap {exact_grad:.1e}; "
+          f"fp32 vs float64: loss (of |terms|) call-by-call {naive_loss_err:.1e} merged "
+          f"{merged_loss_err:.1e}, gradient call-by-call {naive_err:.1e} merged {merged_err:.1e}")
+    assert exact_loss <= 1e-10, f"float64 losses differ by {exact_loss:.2e} relative"
+    assert exact_grad <= 1e-10, f"float64 gradients differ by {exact_grad:.2e} relative"
     assert merged_err <= max(2 * naive_err, RTOL), (
         f"merged fp32 gradient is {merged_err:.2e} from float64, call-by-call {naive_err:.2e}"
     )
+    assert merged_loss_err <= RTOL, f"merged fp32 loss is off by {merged_loss_err:.2e} of its terms"
