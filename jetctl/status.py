@@ -112,6 +112,7 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "last_checkpoint_version": _int(f, "last_checkpoint_version"),
         "last_step": f.get("last_step") or {},
         "received_by_task": {k: int(v) for k, v in (f.get("received_by_task") or {}).items()},
+        "reward_by_task": {k: float(v) for k, v in (f.get("reward_by_task") or {}).items()},
     }
 
 
@@ -157,13 +158,14 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
 
 
 def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per task: its nodes' revisions, nodes up, rollouts, spool, and the trajectories the
-    servers received from it (`received_by_task`, summed over the servers)."""
+    """Per task: its nodes' revisions, nodes up, rollouts, spool, the trajectories the
+    servers received from it (`received_by_task`, summed over the servers) and the mean
+    reward of its last 32 accepted groups (`reward_by_task`, of the server training it)."""
     tasks: dict[str, dict[str, Any]] = {}
 
     def entry(task: str) -> dict[str, Any]:
         return tasks.setdefault(task, {"revisions": [], "nodes": 0, "up": 0, "rollouts_done": 0,
-                                       "spool_depth": 0, "received": 0})
+                                       "spool_depth": 0, "received": 0, "reward": None})
 
     for c in doc["clients"]:
         e = entry(c["task"])
@@ -176,6 +178,8 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for srv in doc["servers"]:
         for task, n in (srv.get("received_by_task") or {}).items():
             entry(task)["received"] += int(n)
+        for task, reward in (srv.get("reward_by_task") or {}).items():
+            entry(task)["reward"] = float(reward)
     return dict(sorted(tasks.items()))
 
 
@@ -260,11 +264,13 @@ def clients_table(doc: dict[str, Any]) -> Table:
 def tasks_table(doc: dict[str, Any]) -> Table:
     t = Table(title="tasks", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
               show_edge=False, pad_edge=False)
-    for col in ("task", "rev", "up", "rollouts", "spool", "received"):
+    for col in ("task", "rev", "up", "rollouts", "spool", "received", "reward"):
         t.add_column(col, justify="left" if col in ("task", "rev") else "right", no_wrap=True)
     for task, e in (doc.get("tasks") or task_summary(doc)).items():
+        reward = e.get("reward")
         t.add_row(task, ",".join(e["revisions"]) or "-", f"{e['up']}/{e['nodes']}",
-                  _fmt(e["rollouts_done"]), _fmt(e["spool_depth"]), _fmt(e["received"]))
+                  _fmt(e["rollouts_done"]), _fmt(e["spool_depth"]), _fmt(e["received"]),
+                  "-" if reward is None else f"{reward:.3f}")
     return t
 
 

@@ -25,7 +25,8 @@ SERVER_FIGURES = {
     "model": "policy", "model_version": "7", "buffer_groups": "3", "accepted_groups": "5",
     "accepted_trajectories": "40", "rejected": {"stale": "2", "invalid": "1"},
     "trained_trajectories": "32", "trained_groups": "4", "reward_mean_recent": 0.25,
-    "trajectories_per_second": 1.5,
+    "trajectories_per_second": 1.5, "received_by_task": {"arith": "48"},
+    "reward_by_task": {"arith": 0.625},
 }
 CLIENT_FIGURES = {
     "name": "arith-0", "task": "arith", "state": "draining", "revision": "r0",
@@ -52,7 +53,8 @@ def test_document_shape_and_types() -> None:
     doc = document(reply())
     assert set(doc) == {"run", "run_dir", "state", "uptime_s", "servers", "clients", "tasks"}
     assert doc["tasks"] == {"arith": {"revisions": ["r0"], "nodes": 2, "up": 1,
-                                      "rollouts_done": 12, "spool_depth": 2, "received": 0}}
+                                      "rollouts_done": 12, "spool_depth": 2, "received": 48,
+                                      "reward": 0.625}}
     (s,) = doc["servers"]
     assert s["version"] == 7 and s["buffer_depth"] == 3 and s["accepted"] == 40
     assert s["rejected"] == {"stale": 2, "invalid": 1} and s["trained"] == 32
@@ -63,6 +65,11 @@ def test_document_shape_and_types() -> None:
     assert c1["state"] == "restarting" and c1["rollouts_done"] is None and c1["restarts"] == 2
     json.dumps(doc)  # serialisable
     render_status(doc)
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(render_status(doc))
+    assert "0.625" in console.export_text(), "the tasks table shows each task's reward"
 
 
 def test_find_run_dir_prefers_latest_then_newest(tmp_path: Path) -> None:

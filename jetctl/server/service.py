@@ -264,6 +264,7 @@ class SwarmService:
         await self._parse(raw, pb.StatusRequest, context)
         counts = await asyncio.to_thread(self.store.counts)
         by_task = await asyncio.to_thread(self.store.received_by_task)
+        reward_by_task = await asyncio.to_thread(self.store.reward_by_task)
         trajs = counts["trajectories"]
         rejected_total = _by_reason(trajs)
         rejected_groups = _by_reason(counts["groups"])
@@ -293,6 +294,7 @@ class SwarmService:
             last_step=f.last_step,
             pid=os.getpid(),
             received_by_task=by_task,
+            reward_by_task=reward_by_task,
             rejected_groups=rejected_groups,
         )
 

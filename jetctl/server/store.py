@@ -20,6 +20,7 @@ bounded by `max_buffer_groups` (oldest are rejected as stale first by the traine
 
 from __future__ import annotations
 
+import math
 import queue
 import sqlite3
 import threading
@@ -46,7 +47,8 @@ CREATE TABLE IF NOT EXISTS groups (
     received_at REAL NOT NULL,
     payload BLOB,                   -- serialized TrajectoryGroup (dropped once trained)
     trajectory_ids TEXT NOT NULL DEFAULT '',  -- comma-separated, for the ledger
-    revisions TEXT NOT NULL DEFAULT ''  -- the trajectories' client_revision, comma-separated
+    revisions TEXT NOT NULL DEFAULT '', -- the trajectories' client_revision, comma-separated
+    reward_sum REAL NOT NULL DEFAULT 0  -- sum of the trajectories' rewards (per-task figures)
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
 CREATE TABLE IF NOT EXISTS epochs (
@@ -101,6 +103,8 @@ class TrajectoryStore:
             )
         if "revisions" not in have:  # a store written before swaps recorded revisions
             self._db.execute("ALTER TABLE groups ADD COLUMN revisions TEXT NOT NULL DEFAULT ''")
+        if "reward_sum" not in have:  # a store written before per-task rewards
+            self._db.execute("ALTER TABLE groups ADD COLUMN reward_sum REAL NOT NULL DEFAULT 0")
         self.epoch = 0
         self._db_lock = threading.Lock()
         self._buffer: deque[StoredGroup] = deque()
@@ -200,8 +204,8 @@ class TrajectoryStore:
                         reason = req.outcome
                     self._db.execute(
                         "INSERT INTO groups (id, task, n_traj, min_version, state, reason, "
-                        "received_at, payload, trajectory_ids, revisions) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?)",
+                        "received_at, payload, trajectory_ids, revisions, reward_sum) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                         (
                             g.id,
                             g.task,
@@ -213,6 +217,7 @@ class TrajectoryStore:
                             req.payload if state == "buffered" else None,
                             ",".join(t.id for t in g.trajectories),
                             ",".join(sorted({t.client_revision for t in g.trajectories})),
+                            math.fsum(t.reward for t in g.trajectories),
                         ),
                     )
                     results.append(PutResult(req.outcome, req.reason))
@@ -327,6 +332,19 @@ class TrajectoryStore:
                 "SELECT task, SUM(n_traj) FROM groups GROUP BY task"
             ).fetchall()
         return {task: int(n or 0) for task, n in rows}
+
+    def reward_by_task(self, last_groups: int = 32) -> dict[str, float]:
+        """Mean trajectory reward of each task's last `last_groups` accepted groups."""
+        with self._db_lock:
+            rows = self._db.execute(
+                "SELECT task, SUM(reward_sum) / SUM(n_traj) FROM ("
+                "  SELECT task, reward_sum, n_traj, ROW_NUMBER() OVER "
+                "    (PARTITION BY task ORDER BY received_at DESC, rowid DESC) AS rn"
+                "  FROM groups WHERE state != 'rejected'"
+                ") WHERE rn <= ? GROUP BY task",
+                (last_groups,),
+            ).fetchall()
+        return {task: float(mean) for task, mean in rows if mean is not None}
 
 
 class GroupCodec:

@@ -98,3 +98,21 @@ def test_a_cancelled_put_does_not_stop_the_writer(tmp_path: Path) -> None:
     assert store.put(g2, group_to_pb(g2).SerializeToString()).result(5).outcome == "accepted"
     assert store.put(g1, group_to_pb(g1).SerializeToString()).result(5).outcome == "duplicate"
     store.close()
+
+
+def test_reward_by_task_is_the_mean_of_each_tasks_recent_accepted_groups(tmp_path: Path) -> None:
+    store = _open(tmp_path / "s.sqlite")
+    groups = [
+        make_group(task="web", rewards=(0.0, 0.0)),  # older than the last two web groups
+        make_group(task="web", rewards=(0.0, 1.0)),
+        make_group(task="web", rewards=(1.0, 1.0)),
+        make_group(task="code", rewards=(0.25, 0.75, 0.5)),
+    ]
+    for g in groups:
+        assert store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome == "accepted"
+    stale = make_group(task="code", rewards=(1.0, 1.0))
+    store.put(stale, b"", "stale", "stale: lag 9").result(5)  # refused groups do not count
+    assert store.reward_by_task(last_groups=2) == {"web": 0.75, "code": 0.5}
+    assert store.reward_by_task() == {"web": 0.5, "code": 0.5}
+    assert store.received_by_task() == {"web": 6, "code": 5}
+    store.close()
