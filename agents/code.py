@@ -2,12 +2,15 @@
 
 Tools: run_python(code) and submit(code) (the session's methods; see envs/code). The loop is
 `agents.tool_loop.run_tool_loop`; it ends at the submission, when the model answers without
-a tool call, or after MAX_STEPS model calls. Run with `agent = "agents.code:agent"`.
-Left out: extracting code from a plain (non-tool) reply; an async variant.
+a tool call, or after MAX_STEPS model calls. A loop that ended without a submission submits
+the last fenced code block of the model's replies that defines the task's function (small
+models often answer with the code instead of calling submit): the model wrote it, the hidden
+tests grade it. Run with `agent = "agents.code:agent"`. Left out: an async variant.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from agents.tool_loop import Tool, run_tool_loop, text_arg
@@ -32,13 +35,31 @@ def tools_for(session: CodeSession) -> list[Tool]:
     ]  # fmt: skip
 
 
+_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def code_in_reply(text: str, function: str) -> str | None:
+    """The last fenced code block of `text` that defines `function`, or None."""
+    defines = re.compile(rf"\bdef\s+{re.escape(function)}\s*\(")
+    blocks = [b for b in _FENCE.findall(text) if defines.search(b)]
+    return blocks[-1] if blocks else None
+
+
 def agent(task: Task, llm: LLM, session: CodeSession) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": task.prompt},
     ]
-    run_tool_loop(
+    messages = run_tool_loop(
         llm.client(), llm.model, messages, tools_for(session), (CodeToolError,),
         done=lambda: session.done, max_steps=MAX_STEPS, max_tokens=MAX_TOKENS,
         temperature=TEMPERATURE,
     )  # fmt: skip
+    if session.done:
+        return
+    for message in reversed(messages):
+        if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+            code = code_in_reply(message["content"], session.problem.function)
+            if code is not None:
+                session.submit(code)
+                return

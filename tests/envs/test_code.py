@@ -333,6 +333,37 @@ def test_code_agent_runs_then_submits_through_the_proxy() -> None:
     assert "10" in endpoint.prompts[1].split("print(sum(range(5)))")[-1]  # the run's output
 
 
+@pytest.mark.integration
+def test_code_agent_submits_code_the_model_answered_without_a_tool_call() -> None:
+    from agents.code import agent
+
+    sandbox_or_skip("bwrap")
+    env = make_env(backend="bwrap", time_limit_s=3.0)
+    task = next(t for t in env.all_tasks() if t.id == "code-roman")
+    session = env.open(task)
+    answer = f"Here is my solution:\n\n```python\n{session.problem.reference}```\nDone."
+    with ScriptedEndpoint(replies(answer)) as endpoint:
+        agent(task, endpoint.llm, session)
+    assert session.reward() == 1.0 and len(endpoint.prompts) == 1
+
+    other = env.open(task)  # a block that does not define the task's function is not sent
+    with ScriptedEndpoint(replies("```python\ndef helper():\n    pass\n```")) as endpoint:
+        agent(task, endpoint.llm, other)
+    assert not other.done and other.reward() == 0.0
+
+
+@pytest.mark.unit
+def test_code_in_reply_takes_the_last_block_defining_the_function() -> None:
+    from agents.code import code_in_reply
+
+    text = ("```python\ndef f(x):\n    return 1\n```\ntext\n```py\nimport os\n"
+            "def f (x):\n    return 2\n```\n```\ndef g():\n    pass\n```")
+    assert code_in_reply(text, "f") == "import os\ndef f (x):\n    return 2\n"
+    assert code_in_reply(text, "g") == "def g():\n    pass\n"
+    assert code_in_reply("def f(x): return 1", "f") is None  # not fenced: prose, not an answer
+    assert code_in_reply("```python\ndef ff(x):\n    pass\n```", "f") is None
+
+
 # ---------------------------------------------------------------------------- backend choice
 
 
