@@ -9,7 +9,8 @@ Every backend gets the same `Limits` and returns a `RunResult` naming the backen
   writable, so no host path is mounted: it works from the host and from a client node's
   container given the host's docker socket (recipe: `docker_socket: true`). Needs a
   reachable engine and the image (`images/code`); a run's container is removed after it,
-  and exited leftovers of a killed caller are removed by the next sandbox.
+  and exited leftovers of a killed caller (older than 10 minutes) are removed by the next
+  sandbox.
 - `bwrap`: bubblewrap as root: new pid/net/ipc/uts namespaces, only /usr (read-only), /proc,
   /dev, an empty /tmp and the run's directory are visible (no /etc, no /root, no run dir of
   jetctl); inside, `prlimit` sets RLIMIT_AS/CPU/NPROC/FSIZE and `setpriv` drops to a
@@ -39,6 +40,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -323,6 +325,7 @@ sys.stdout.flush()
 """
 
 SANDBOX_LABEL = "jetctl.sandbox"
+LEFTOVER_AGE_S = 600.0  # an exited sandbox container this old has no caller reading it
 
 
 def _docker_client():  # type: ignore[no-untyped-def]
@@ -348,11 +351,13 @@ class DockerSandbox:
             raise SandboxUnavailable(problem)
         self.image = image
         self.client = _docker_client()
-        # runs whose caller was killed before it could remove them (exited by their own limit)
+        # runs whose caller was killed before it could remove them (exited by their own
+        # limit); only old ones: a concurrent rollout may be reading a fresh one's output
         for old in self.client.containers.list(
             all=True, filters={"label": SANDBOX_LABEL, "status": "exited"}
         ):
-            _remove(old)
+            if _age_s(old) > LEFTOVER_AGE_S:
+                _remove(old)
 
     def run(self, files: dict[str, str], argv: list[str], limits: Limits) -> RunResult:
         import docker
@@ -421,6 +426,17 @@ class DockerSandbox:
             timed_out=bool(out["timed_out"]),
             wall_s=float(out["wall_s"]),
         )
+
+
+def _age_s(container) -> float:  # type: ignore[no-untyped-def]
+    """Seconds since the container was created (0 when docker's timestamp does not parse)."""
+    created = str(container.attrs.get("Created", ""))  # 2026-11-30T20:56:13.123456789Z
+    head, _, frac = created.rstrip("Z").partition(".")
+    try:
+        when = datetime.fromisoformat(head).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return 0.0
+    return time.time() - when.timestamp() - float(f"0.{frac or 0}")
 
 
 def _remove(container) -> None:  # type: ignore[no-untyped-def]
