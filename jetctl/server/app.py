@@ -71,9 +71,10 @@ def load_trainable(cfg: ModelConfig) -> tuple[Any, Any]:
     torch.manual_seed(cfg.seed)
     # jetctl_tree: sdpa for generation and padded micro-batches, and only the visible scores
     # of tree-packed ones (merge: tree); the same values as eager up to fp32 rounding order
-    model, tokenizer = load_model(
+    base, tokenizer = load_model(
         cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation="jetctl_tree"
     )
+    model: Any = base
     if cfg.finetune == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -78,7 +79,7 @@ class SwarmService:
     # --- plumbing --------------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        ser = lambda m: m.SerializeToString()  # noqa: E731
+        ser = lambda m: m.SerializeToString()
         methods = {
             "Register": grpc.unary_unary_rpc_method_handler(self.register, None, ser),
             "Generate": grpc.unary_unary_rpc_method_handler(self.generate, None, ser),
@@ -232,7 +233,7 @@ class SwarmService:
                 self._accepted_times.append((time.monotonic(), len(g.trajectories)))
             acks[index] = pb.Ack(group_id=g.id, code=ACK_CODES[res.outcome], reason=res.reason)
         self.metrics.buffer_groups.set(self.store.buffer_depth)
-        return pb.SubmitReply(acks=acks, model_version=self.trainer.version)
+        return pb.SubmitReply(acks=cast(list[pb.Ack], acks), model_version=self.trainer.version)
 
     async def pull_weights(
         self, raw: bytes, context: grpc.aio.ServicerContext

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from jetctl.recipe import ModelConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
 from jetctl.server import weights as W
-from jetctl.server.algorithms.grpo import grpo_loss, group_advantages
+from jetctl.server.algorithms.grpo import group_advantages, grpo_loss
 from jetctl.server.store import StoredGroup, TrajectoryStore
 
 
@@ -131,7 +132,8 @@ class Trainer:
         taken = self.store.take(tc.groups_per_step, timeout_s=wait_s)
         if not taken:
             return None
-        fresh, stale = [], []
+        fresh: list[StoredGroup] = []
+        stale: list[StoredGroup] = []
         for s in taken:
             (stale if s.group.lag(self.version) > tc.max_staleness else fresh).append(s)
         if stale:
