@@ -16,15 +16,26 @@ import signal
 from pathlib import Path
 
 
-def _ids(pid: int) -> tuple[int, int] | None:
-    """(pgid, sid) of a live, non-zombie process; None if it is gone."""
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state first) of a live, non-zombie process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[2]), int(fields[3])
+    return None if fields[0] in ("Z", "X") else fields
+
+
+def _ids(pid: int) -> tuple[int, int] | None:
+    """(pgid, sid) of a live, non-zombie process; None if it is gone."""
+    fields = _stat(pid)
+    return None if fields is None else (int(fields[2]), int(fields[3]))
+
+
+def start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' if it is gone): with the pid,
+    it names one process even after the pid is reused."""
+    fields = _stat(pid)
+    return "" if fields is None else fields[19]
 
 
 def members(*, sid: int | None = None, pgid: int | None = None) -> list[int]:

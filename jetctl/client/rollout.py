@@ -16,7 +16,8 @@ The child sends one `RolloutResult` back over a pipe: reward, status (ok | faile
 text with traceback, timings. The parent turns a timeout into status `timeout` and a child
 that died without a result into `failed`.
 
-This module stays light (stdlib + jetctl.env): it is imported by every rollout process.
+This module stays light (stdlib, jetctl.env, jetctl.proctree): it is imported by every rollout
+process.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetctl import proctree
 from jetctl.env import LLM, Task
 
 MAX_ERROR_CHARS = 16_000  # keeps the result well under a pipe buffer's size
@@ -125,19 +127,9 @@ def kill_group(pid: int) -> None:
         pass  # no such group: the child died before or right after setpgrp
 
 
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot ('' if it is gone)."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
 def reap_leftovers(registry: Path) -> int:
     """Kill the rollout groups recorded in `registry` by an earlier process of this node
     (it was killed before it could); returns how many groups still had processes."""
-    from jetctl import proctree
-
     reaped = 0
     for entry in registry.glob("*") if registry.is_dir() else ():
         try:
@@ -145,7 +137,7 @@ def reap_leftovers(registry: Path) -> int:
         except (ValueError, OSError):
             entry.unlink(missing_ok=True)
             continue
-        started = _start_time(pid)
+        started = proctree.start_time(pid)
         # the leader may be gone while what it started lives on in its group; a live
         # process with this pid but another start time is someone else: leave it
         if (not started or started == recorded) and proctree.members(pgid=pid):
@@ -189,7 +181,7 @@ class RolloutRunner:
         assert proc.pid is not None
         record = self._registry / str(proc.pid) if self._registry is not None else None
         if record is not None:
-            record.write_text(_start_time(proc.pid))
+            record.write_text(proctree.start_time(proc.pid))
         done = loop.create_future()
 
         def wake() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jetctl import proctree
-from jetctl.client.rollout import _start_time, reap_leftovers
+from jetctl.client.rollout import reap_leftovers
 from jetctl.controller.runtimes.base import NodeSpec
 from jetctl.controller.runtimes.process import ProcessRuntime
 
@@ -71,7 +71,7 @@ def test_a_restarted_node_reaps_the_groups_its_killed_predecessor_left(tmp_path:
     # a rollout leader that started a helper and then died: only its group remains
     leader = subprocess.Popen(["sh", "-c", "sleep 3600 & echo $! > helper; sleep 0.5"],
                               cwd=tmp_path, process_group=0)
-    (registry / str(leader.pid)).write_text(_start_time(leader.pid))
+    (registry / str(leader.pid)).write_text(proctree.start_time(leader.pid))
     helper = int(_wait_for(tmp_path / "helper"))
     leader.wait()
     assert proctree._ids(helper) == (leader.pid, proctree._ids(helper)[1])
