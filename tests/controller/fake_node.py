@@ -33,7 +33,9 @@ def event(run_dir: Path, name: str, what: str) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # per-process tmp name: two fakes writing one file (a swap's new node under the old
+    # node's name) must not rename each other's tmp away
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 
