@@ -20,6 +20,7 @@ The field reference in docs/recipe.md is generated from this schema:
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -165,7 +166,9 @@ class ModelConfig(_Strict):
         default="float32", description="weight dtype"
     )
     engine: Literal["hf", "vllm"] = Field(
-        default="hf", description="inference engine: hf (dynamic batching) or vllm (continuous)"
+        default="hf",
+        description="inference engine: hf (dynamic batching of HF generate) or vllm "
+        "(experimental; needs vllm installed, CUDA)",
     )
     finetune: Literal["lora", "full"] = Field(
         default="lora", description="train a LoRA adapter (peft) or every weight"
@@ -186,6 +189,15 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         problems: list[Problem] = []
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            problems.append(
+                Problem(
+                    ("engine",),
+                    self.engine,
+                    "needs the vllm package, which is not importable here: run "
+                    "`pip install vllm` on a CUDA machine, or use engine: hf",
+                )
+            )
         if self.port and self.port == self.metrics_port:
             problems.append(
                 Problem(

@@ -3,6 +3,7 @@ YAML line, value and fix; `${VAR}` interpolation; `jetctl validate` output and e
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -307,3 +308,13 @@ def test_docker_socket_needs_the_docker_runtime() -> None:
     assert "only applies to runtime: docker" in rendered and "set runtime: docker" in rendered
     ok = parse_recipe(text + "    runtime: docker\n", file="r.yaml", env={})
     assert ok.tasks["digits"].docker_socket
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vllm is installed: the engine is allowed"
+)
+def test_engine_vllm_is_refused_where_vllm_is_not_importable() -> None:
+    text = GOOD.replace("    model: builtin:tiny\n", "    model: builtin:tiny\n    engine: vllm\n")
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (6, "models.policy.engine")
+    assert "'vllm'" in rendered and "pip install vllm" in rendered and "engine: hf" in rendered

@@ -29,7 +29,7 @@ from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.recipe import ModelConfig
 from jetctl.revisions import read_refused
 from jetctl.server.admission import Limits
-from jetctl.server.engine import HFEngine
+from jetctl.server.engines import make_engine
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.store import GroupCodec, TrajectoryStore
@@ -124,10 +124,9 @@ async def serve(opts: ServerOptions) -> int:
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    engine = HFEngine(
-        model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
-        version=lambda: trainer.version, max_batch_size=cfg.generation.max_batch_size,
-        batch_wait_ms=cfg.generation.batch_wait_ms,
+    engine = make_engine(
+        cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
+        version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
     )
     vocab = int(model.get_input_embeddings().weight.shape[0])

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_from_pb
 from jetctl.server.admission import Limits, check_generate, check_group, check_shape
-from jetctl.server.engine import GenRequest, HFEngine
+from jetctl.server.engines.base import Engine, GenRequest
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.store import TrajectoryStore
 from jetctl.server.trainer import Trainer
@@ -49,7 +49,7 @@ class SwarmService:
         limits: Limits,
         max_new_tokens: int,
         max_message_bytes: int,
-        engine: HFEngine,
+        engine: Engine,
         store: TrajectoryStore,
         trainer: Trainer,
         metrics: ServerMetrics,

@@ -25,22 +25,7 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig
 
-
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class GenResult:
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    model_version: int
-    finish_reason: str  # stop | length
+from jetctl.server.engines.base import GenRequest, GenResult
 
 
 @dataclass
@@ -74,6 +59,7 @@ class HFEngine:
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._on_batch = on_batch  # (batch size, tokens generated, seconds)
         self._queue: list[_Pending] = []
+        self._running: list[_Pending] = []  # the batch under way (failed by stop, not lost)
         self._wakeup: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task[None] | None = None
@@ -86,7 +72,7 @@ class HFEngine:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for p in self._queue:
+        for p in self._queue + self._running:
             if not p.future.done():
                 p.future.set_exception(RuntimeError("engine stopped"))
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -116,6 +102,7 @@ class HFEngine:
             if not live:
                 continue
             self.busy_since = time.monotonic()
+            self._running = live
             try:
                 results = await loop.run_in_executor(
                     self._executor, self._generate_batch, [p.req for p in live]
@@ -127,6 +114,7 @@ class HFEngine:
                 continue
             finally:
                 self.busy_since = None
+                self._running = []
             for p, r in zip(live, results):
                 if not p.future.done():
                     p.future.set_result(r)

@@ -1,0 +1,191 @@
+"""The engine contract (`jetctl/server/engines/base.py`), checked on every engine that runs here.
+
+Each engine serves builtin:tiny while a fake trainer changes the weights under the weights
+lock; every reply must be explained by the weights of the version it names: its logprobs
+equal the teacher-forced logprobs of that version's weights (float32, to 1e-4: batching and
+left padding change only the order of float sums), and its tokens stop where the request
+says. Cancelled requests leave the engine serving; a stopped engine fails what is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from jetctl.recipe import GenerationConfig, ModelConfig
+from jetctl.server.engines import Engine, GenRequest, GenResult, make_engine
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+LOGPROB_TOL = 1e-4  # fp32, tiny model: batched vs alone differ by ~1e-6; a version by ~1e-1
+
+
+@dataclass
+class Served:
+    """An engine on builtin:tiny, the trainer-side model it serves, and each version's weights."""
+
+    engine: Engine
+    model: Any
+    lock: threading.Lock
+    eos: int
+    versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    version: int = 0
+
+    def step(self, seed: int) -> None:
+        """A fake optimizer step: perturb every weight under the lock, version += 1."""
+        gen = torch.Generator().manual_seed(seed)
+        with self.lock, torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            self.version += 1
+            self.versions[self.version] = _state(self.model)
+
+    @torch.no_grad()
+    def reference_logprobs(self, version: int, prompt: list[int], completion: list[int]) -> list[float]:
+        """Teacher-forced untempered logprobs of `completion` under `version`'s weights."""
+        current = _state(self.model)
+        with self.lock:
+            self.model.load_state_dict(self.versions[version])
+            ids = torch.tensor([prompt + completion])
+            logits = self.model(input_ids=ids).logits.float()[0]  # [T, V]
+            self.model.load_state_dict(current)
+        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        return lp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+ENGINES = ["hf"]  # every engine that runs on a CPU; the CUDA ones run in tests/gpu
+
+
+@pytest.fixture(params=ENGINES)
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    from jetctl.models import load_model
+
+    model, tokenizer = load_model("builtin:tiny", attn_implementation="jetctl_tree", progress=False)
+    cfg = ModelConfig(model="builtin:tiny", engine=request.param)
+    lock = threading.Lock()
+    box: list[Served] = []
+    engine = make_engine(
+        cfg, model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+        weights_lock=lock, version=lambda: box[0].version,
+    )
+    s = Served(engine, model, lock, tokenizer.eos_token_id)
+    s.versions[0] = _state(model)
+    box.append(s)
+    engine.start()
+    yield s
+    await engine.stop()
+
+
+def prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(5, 700, (3 + (i * 5) % 17,), generator=gen).tolist() for i in range(n)]
+
+
+def check_reply(s: Served, req: GenRequest, res: GenResult) -> None:
+    assert 1 <= len(res.completion_ids) <= req.max_tokens
+    assert len(res.completion_logprobs) == len(res.completion_ids)
+    stops = {s.eos, *req.stop_token_ids}
+    if res.finish_reason == "stop":
+        assert res.completion_ids[-1] in stops
+        assert not stops & set(res.completion_ids[:-1])
+    else:
+        assert res.finish_reason == "length" and len(res.completion_ids) == req.max_tokens
+        assert not stops & set(res.completion_ids)
+    ref = s.reference_logprobs(res.model_version, req.prompt_ids, res.completion_ids)
+    assert res.completion_logprobs == pytest.approx(ref, abs=LOGPROB_TOL)
+
+
+async def test_concurrent_replies_are_their_versions_tokens_and_logprobs(served: Served) -> None:
+    reqs = [GenRequest(p, max_tokens=12, temperature=1.0, top_p=1.0) for p in prompts(16)]
+    results = await asyncio.gather(*(served.engine.generate(r) for r in reqs))
+    for req, res in zip(reqs, results):
+        assert res.model_version == 0
+        check_reply(served, req, res)
+
+
+async def test_each_reply_is_exact_to_the_version_it_names_while_weights_change(
+    served: Served,
+) -> None:
+    reqs = [GenRequest(p, max_tokens=10, temperature=1.0, top_p=1.0) for p in prompts(24)]
+    calls: list[asyncio.Task[GenResult]] = []
+    for i, req in enumerate(reqs):
+        calls.append(asyncio.create_task(served.engine.generate(req)))
+        if i % 6 == 5:  # a step lands while requests are queued and running
+            await asyncio.sleep(0.01)
+            await asyncio.to_thread(served.step, seed=i)
+    results = await asyncio.gather(*calls)
+    seen = {r.model_version for r in results}
+    assert len(seen) >= 2, f"the test never caught a weight change: versions {seen}"
+    for req, res in zip(reqs, results):
+        check_reply(served, req, res)
+        # the check can fail: another version's weights do not explain the reply
+        other = 0 if res.model_version else max(served.versions)
+        wrong = served.reference_logprobs(other, req.prompt_ids, res.completion_ids)
+        assert max(abs(a - b) for a, b in zip(res.completion_logprobs, wrong)) > 10 * LOGPROB_TOL
+
+
+async def test_greedy_is_deterministic_and_stops_where_asked(served: Served) -> None:
+    [prompt] = prompts(1)
+    greedy = GenRequest(prompt, max_tokens=8, temperature=0.0, top_p=1.0)
+    first, again = await asyncio.gather(served.engine.generate(greedy), served.engine.generate(greedy))
+    assert first.completion_ids == again.completion_ids
+    check_reply(served, greedy, first)
+    stop_at = first.completion_ids[2]
+    stopped = GenRequest(prompt, max_tokens=8, temperature=0.0, top_p=1.0, stop_token_ids=(stop_at,))
+    res = await served.engine.generate(stopped)
+    cut = first.completion_ids.index(stop_at) + 1
+    assert (res.completion_ids, res.finish_reason) == (first.completion_ids[:cut], "stop")
+    check_reply(served, stopped, res)
+
+
+async def test_cancelled_requests_leave_the_engine_serving(served: Served) -> None:
+    reqs = [GenRequest(p, max_tokens=12, temperature=1.0, top_p=1.0) for p in prompts(8)]
+    doomed = [asyncio.create_task(served.engine.generate(r)) for r in reqs[:6]]
+    await asyncio.sleep(0)  # queued (or running)
+    for task in doomed:
+        task.cancel()
+    done = await asyncio.gather(*doomed, return_exceptions=True)
+    assert all(isinstance(d, asyncio.CancelledError) for d in done)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(served.engine.generate(r) for r in reqs[6:])), timeout=60
+    )
+    for req, res in zip(reqs[6:], results):
+        check_reply(served, req, res)
+
+
+async def test_stop_fails_what_is_queued_instead_of_hanging(served: Served) -> None:
+    blocker: Callable[[], None] = served.lock.release
+    served.lock.acquire()  # a long optimizer step: the running batch waits for the weights
+    try:
+        reqs = [GenRequest(p, max_tokens=4, temperature=1.0, top_p=1.0) for p in prompts(40)]
+        calls = [asyncio.create_task(served.engine.generate(r)) for r in reqs]
+        await asyncio.sleep(0.2)
+        await served.engine.stop()
+    finally:
+        blocker()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    assert failed and all("stopped" in str(o) for o in failed)
+
+
+def test_the_recipe_picks_the_engine() -> None:
+    from jetctl.server.engines.hf import HFEngine
+
+    engine = make_engine(
+        ModelConfig(
+            model="builtin:tiny", engine="hf", generation=GenerationConfig(max_batch_size=3)
+        ),
+        model=None, eos_token_ids=[2], pad_token_id=2, weights_lock=threading.Lock(),
+        version=lambda: 0,
+    )
+    assert isinstance(engine, HFEngine) and engine.max_batch_size == 3
