@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-# jetctl_tree: sdpa, plus per-segment attention on tree-packed rows (server/tree_attention.py)
+# jetctl_tree: sdpa, plus per-segment attention on tree-packed rows (kernels/tree_attention.py)
 AttnImplementation = Literal["eager", "sdpa", "jetctl_tree"]
 
 BUILTINS: dict[str, str] = {
@@ -439,12 +439,12 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, tokenizer). `eager` attention adds 4-D float masks as given
     (FACTS: pass additive 0 / finfo.min masks, never boolean ones); `jetctl_tree` is `sdpa`
-    that computes tree-packed rows segment by segment (jetctl/server/tree_attention.py)."""
+    that computes tree-packed rows segment by segment (jetctl/kernels/tree_attention.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "jetctl_tree":
-        from jetctl.server.tree_attention import register
+        from jetctl.kernels.tree_attention import register
 
         register()
 

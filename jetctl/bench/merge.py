@@ -12,7 +12,7 @@ logprobs are fixed pseudo-random numbers):
 
 For every (workload, mode) a fresh spawned process loads the model as the server does
 (``finetune: lora`` with the recipe's LoRA defaults, fp32, ``--attn jetctl_tree``: sdpa
-that computes a tree-packed row segment by segment, jetctl/server/tree_attention.py;
+that computes a tree-packed row segment by segment, jetctl/kernels/tree_attention.py;
 ``off`` / ``linear`` rows run plain sdpa under it) and runs exactly the trainer's
 path (``Trainer._optimize``): timeline_sequences -> pack under
 ``max_tokens_per_microbatch`` -> token_logprobs -> grpo_loss -> backward, per micro-batch.

@@ -20,7 +20,7 @@ What it does (docs/architecture.md section 5, "Timeline merging"):
    Each target token is scored from the logits at its parent's position in the row, so
    several branches may be scored from one position (``pred_index`` rows repeat).
    The row also carries its ``TreeLayout`` (runs of trie nodes without a branch and their
-   parents), with which the ``jetctl_tree`` attention kernel (tree_attention.py) computes
+   parents), with which the ``jetctl_tree`` attention kernel (kernels/tree_attention.py) computes
    only the scores the mask leaves visible.
    A tree row that holds a single sequence (one agent's timeline) gets the ``linear``
    layout: nothing branches, and kernels can then take their causal path.
@@ -51,7 +51,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from jetctl.server.tree_attention import TreeLayout, uses_tree_attention
+from jetctl.kernels.tree_attention import TreeLayout, uses_tree_attention
 from jetctl.types import Trajectory
 
 MergeMode = Literal["off", "linear", "tree"]

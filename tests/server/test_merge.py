@@ -6,7 +6,7 @@ logits just before it. The merged path (timeline_sequences -> pack -> token_logp
 agree per token, in the loss and in every gradient.
 
 Every exactness test runs under three attention kernels: ``eager`` (adds the mask to the
-scores), ``sdpa`` (hands it to torch) and ``jetctl_tree`` (jetctl/server/tree_attention.py:
+scores), ``sdpa`` (hands it to torch) and ``jetctl_tree`` (jetctl/kernels/tree_attention.py:
 per trie segment, only the visible keys; sdpa for padded rows).
 
 Tolerance: 1e-5 relative, fp32. The two paths do the same arithmetic on the same values,
@@ -30,7 +30,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jetctl.server import tree_attention
+from jetctl.kernels import tree_attention
 from jetctl.server.merge import (
     MergeMode,
     MicroBatch,

@@ -3,7 +3,7 @@
 Same check as tests/server/test_merge.py, on the real model and real chats: the bench's
 4-call tool agent (one linear timeline) and a GRPO group of G = 8 completions of one
 prompt (a prefix tree), at the bench's --quick sizes, under eager attention and under
-jetctl_tree (jetctl/server/tree_attention.py: the server's and the bench's), which attends
+jetctl_tree (jetctl/kernels/tree_attention.py: the server's and the bench's), which attends
 per trie segment on tree rows and is sdpa elsewhere. The reference is a plain loop: every LLM call on its own, no
 mask, default positions, each completion token scored from the logits before it, one GRPO
 loss (jetctl.server.algorithms.grpo) over all of them. The merged path is the trainer's:
