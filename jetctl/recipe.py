@@ -79,12 +79,40 @@ class _Strict(BaseModel):
 _M = TypeVar("_M", bound=BaseModel)
 
 
+def checkpoint_url_problem(url: str) -> str:
+    """Why `checkpoint.dir` cannot be written ('' when it can): an fsspec URL whose scheme is
+    unknown or whose filesystem package is missing, or one that would not outlive the server."""
+    if "://" not in url:
+        return ""  # a local folder
+    scheme = url.split("://", 1)[0]
+    if scheme == "memory":
+        return (
+            "memory:// lives only inside the server process, so a restarted server would find "
+            "no checkpoint: use a folder or a durable URL (file://, s3://, ...)"
+        )
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError:
+        return f"unknown filesystem {scheme!r}: use a folder or an fsspec URL (file://, s3://, ...)"
+    except ImportError as err:
+        return f"the {scheme}:// filesystem needs a package that is not installed ({err}); or use a folder"
+    return ""
+
+
 class LoraConfig(_Strict):
     r: int = Field(default=16, ge=1, description="LoRA rank")
     alpha: int = Field(
         default=32, ge=1, description="LoRA scale; the update is scaled by alpha / r"
     )
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input")
+    dropout: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the LoRA input, in the trainer's forward only (generation "
+        "never sees it)",
+    )
     target_modules: list[str] = Field(
         default=["q_proj", "k_proj", "v_proj", "o_proj"],
         description="names of the modules to adapt",
@@ -114,7 +142,12 @@ class TrainConfig(_Strict):
     clip_eps: float = Field(
         default=0.2, gt=0, description="epsilon of PPO-clip: ratio clipped to [1 - eps, 1 + eps]"
     )
-    kl_coef: float = Field(default=0.0, ge=0, description="weight of the KL penalty (0: none)")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="beta: weight of the KL penalty against the reference policy, the base "
+        "model (finetune: lora only; 0: none)",
+    )
     merge: Literal["off", "linear", "tree"] = Field(
         default="tree",
         description="off: one sequence per call; linear: merge calls whose context extends "
@@ -132,8 +165,19 @@ class CheckpointConfig(_Strict):
     every_steps: int = Field(default=10, ge=1, description="checkpoint every this many steps")
     keep: int = Field(default=3, ge=1, description="how many recent checkpoints to keep")
     dir: str | None = Field(
-        default=None, description="folder or fsspec URL (null: <run dir>/checkpoints/<model>)"
+        default=None,
+        description="folder or fsspec URL, e.g. s3://bucket/run (needs s3fs) or file:///path "
+        "(null: <run dir>/checkpoints/<model>)",
     )
+
+    @field_validator("dir")
+    @classmethod
+    def _known_filesystem(cls, value: str | None) -> str | None:
+        if value is not None:
+            problem = checkpoint_url_problem(value)
+            if problem:
+                raise ValueError(problem)
+        return value
 
 
 class GenerationConfig(_Strict):
@@ -196,6 +240,25 @@ class ModelConfig(_Strict):
                     self.engine,
                     "needs the vllm package, which is not importable here: run "
                     "`pip install vllm` on a CUDA machine, or use engine: hf",
+                )
+            )
+        if self.finetune == "full" and self.train.kl_coef > 0:
+            problems.append(
+                Problem(
+                    ("train", "kl_coef"),
+                    self.train.kl_coef,
+                    "needs finetune: lora, where the reference policy is the base model with "
+                    "the adapter switched off; full fine-tuning would need a second copy of "
+                    "the model, which jetctl does not keep: set kl_coef to 0 or use lora",
+                )
+            )
+        if self.finetune == "full" and "lora" in self.model_fields_set:
+            problems.append(
+                Problem(
+                    ("lora",),
+                    self.lora.model_dump(),
+                    "only applies to finetune: lora (this model trains every weight): remove "
+                    "lora: or set finetune: lora",
                 )
             )
         if self.port and self.port == self.metrics_port:

@@ -318,3 +318,50 @@ def test_engine_vllm_is_refused_where_vllm_is_not_importable() -> None:
     [(line, path, rendered)] = issues_of(text)
     assert (line, path) == (6, "models.policy.engine")
     assert "'vllm'" in rendered and "pip install vllm" in rendered and "engine: hf" in rendered
+
+
+def test_kl_penalty_needs_lora() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    finetune: full\n    train:\n      kl_coef: 0.05\n",
+    )
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (8, "models.policy.train.kl_coef")
+    assert "needs finetune: lora" in rendered and "0.05" in rendered
+
+
+def test_lora_settings_under_full_fine_tuning_are_refused() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    finetune: full\n    lora: {r: 8}\n",
+    )
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (7, "models.policy.lora")
+    assert "only applies to finetune: lora" in rendered
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("s3://bucket/run", "needs a package that is not installed"),
+        ("nosuchfs://x/y", "unknown filesystem 'nosuchfs'"),
+        ("memory://ck", "lives only inside the server process"),
+    ],
+)
+def test_checkpoint_urls_that_cannot_be_written_are_refused(url: str, why: str) -> None:
+    if url.startswith("s3:") and importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here, so s3:// checkpoints are supported")
+    text = GOOD.replace(
+        "    model: builtin:tiny\n", f"    model: builtin:tiny\n    checkpoint:\n      dir: {url}\n"
+    )
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (7, "models.policy.checkpoint.dir")
+    assert why in rendered and url in rendered
+
+
+@pytest.mark.parametrize("folder", ["file:///tmp/jetctl-ck", "/tmp/jetctl-ck", "ck"])
+def test_checkpoint_folders_and_file_urls_validate(folder: str) -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n", f"    model: builtin:tiny\n    checkpoint:\n      dir: {folder}\n"
+    )
+    assert parse_recipe(text, env={}).models["policy"].checkpoint.dir == folder

@@ -14,8 +14,9 @@ For every (workload, mode) a fresh spawned process loads the model as the server
 (``finetune: lora`` with the recipe's LoRA defaults, fp32, ``--attn jetctl_tree``: sdpa
 that computes a tree-packed row segment by segment, jetctl/kernels/tree_attention.py;
 ``off`` / ``linear`` rows run plain sdpa under it) and runs exactly the trainer's
-path (``Trainer._optimize``): timeline_sequences -> pack under
-``max_tokens_per_microbatch`` -> token_logprobs -> grpo_loss -> backward, per micro-batch.
+code: ``merge.timeline_sequences`` -> ``merge.pack`` under ``max_tokens_per_microbatch``
+-> ``trainer.accumulate_gradients`` (token_logprobs -> grpo_loss -> backward, per
+micro-batch), and the model comes from ``trainer.load_trainable``.
 It reports tokens fed per optimizer step, forward and backward seconds (median over
 repeats), and peak memory: the kernel's resident-set high-water mark (``VmHWM``) of that
 process, reset through ``/proc/self/clear_refs`` just before the measured steps, so it
@@ -376,64 +377,41 @@ def train_step(
     model: Any, workload: Workload, mode: MergeMode, max_tokens_per_microbatch: int,
     clip_eps: float,
 ) -> StepFigures:
-    """Forward+backward of one optimizer step exactly as Trainer._optimize runs it."""
+    """Forward+backward of one optimizer step: the trainer's own code
+    (``trainer.accumulate_gradients``) on the micro-batches ``merge.pack`` makes."""
+    from jetctl.recipe import TrainConfig
     from jetctl.server import merge
-    from jetctl.server.algorithms.grpo import grpo_loss
+    from jetctl.server.trainer import accumulate_gradients
 
+    tc = TrainConfig(merge=mode, clip_eps=clip_eps,
+                     max_tokens_per_microbatch=max_tokens_per_microbatch)
     t0 = time.perf_counter()
     sequences = [s for t, a in workload.trajectories for s in merge.timeline_sequences(t, a, mode)]
     microbatches = merge.pack(sequences, mode, max_tokens_per_microbatch)
     pack_s = time.perf_counter() - t0
-    normalizer = sum(mb.num_targets for mb in microbatches)
-    forward_s = backward_s = loss_total = 0.0
-    for mb in microbatches:
-        t0 = time.perf_counter()
-        new_lp = merge.token_logprobs(model, mb)
-        loss, _ = grpo_loss(new_lp, mb.old_logprobs, mb.advantages, clip_eps=clip_eps,
-                            normalizer=normalizer)
-        t1 = time.perf_counter()
-        loss.backward()
-        backward_s += time.perf_counter() - t1
-        forward_s += t1 - t0
-        loss_total += float(loss.detach())
-        del new_lp, loss
+    acc = accumulate_gradients(model, microbatches, tc)
     tokens_naive = sum(len(c.prompt_ids) + len(c.completion_ids)
                        for t, _ in workload.trajectories for c in t.calls)
     return StepFigures(
         tokens_naive=tokens_naive,
         tokens_fed=sum(mb.num_tokens for mb in microbatches),
         tokens_padded=sum(mb.padded_tokens for mb in microbatches),
-        scored_tokens=normalizer,
+        scored_tokens=acc.normalizer,
         microbatches=len(microbatches),
         pack_s=pack_s,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        loss=loss_total,
+        forward_s=acc.forward_s,
+        backward_s=acc.backward_s,
+        loss=acc.loss,
     )
 
 
 def trainable_model(source: str, finetune: Finetune, attn: Attention) -> Any:
-    """The model as jetctl.server.app.load_trainable builds it, with a choice of attention."""
-    import torch
+    """The model exactly as the server loads it (``trainer.load_trainable``, the recipe's
+    defaults otherwise), with a choice of attention."""
+    from jetctl.recipe import ModelConfig
+    from jetctl.server.trainer import load_trainable
 
-    from jetctl.models import load_model
-    from jetctl.recipe import LoraConfig as LoraDefaults
-
-    torch.manual_seed(0)
-    base, _ = load_model(source, dtype="float32", attn_implementation=attn, progress=False)
-    model: Any = base
-    if finetune == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lc = LoraDefaults()
-        model = get_peft_model(base, LoraConfig(
-            r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-            target_modules=list(lc.target_modules), task_type="CAUSAL_LM",
-        ))
-    else:
-        for p in model.parameters():
-            p.requires_grad_(True)
-    model.eval()
+    model, _ = load_trainable(ModelConfig(model=source, finetune=finetune), attn)
     return model
 
 

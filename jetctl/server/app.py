@@ -18,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,7 +32,7 @@ from jetctl.server.engines import make_engine
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.store import GroupCodec, TrajectoryStore
-from jetctl.server.trainer import Trainer
+from jetctl.server.trainer import Trainer, load_trainable
 from jetctl.tls import TlsFiles, add_port
 
 log = logging.getLogger("jetctl.server")
@@ -62,37 +61,6 @@ def resolve_token(run_dir: Path) -> str:
     return read_token(path)
 
 
-def load_trainable(cfg: ModelConfig) -> tuple[Any, Any]:
-    """The model (LoRA-wrapped when finetune is lora) and its tokenizer."""
-    import torch
-
-    from jetctl.models import load_model
-
-    torch.manual_seed(cfg.seed)
-    # jetctl_tree: sdpa for generation and padded micro-batches, and only the visible scores
-    # of tree-packed ones (merge: tree); the same values as eager up to fp32 rounding order
-    base, tokenizer = load_model(
-        cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation="jetctl_tree"
-    )
-    model: Any = base
-    if cfg.finetune == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lc = cfg.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                target_modules=list(lc.target_modules), task_type="CAUSAL_LM",
-            ),
-        )
-    else:
-        for p in model.parameters():
-            p.requires_grad_(True)
-    model.eval()  # shared with the engine; Llama has no dropout to lose
-    return model, tokenizer
-
-
 async def serve(opts: ServerOptions) -> int:
     import torch
 
@@ -102,7 +70,7 @@ async def serve(opts: ServerOptions) -> int:
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
     server_dir = opts.run_dir / f"server-{opts.name}"
     server_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = Path(cfg.checkpoint.dir or opts.run_dir / "checkpoints" / opts.name)
+    ckpt_dir = cfg.checkpoint.dir or str(opts.run_dir / "checkpoints" / opts.name)  # or a URL
 
     t0 = time.monotonic()
     model, tokenizer = load_trainable(cfg)

@@ -11,13 +11,19 @@ Runs in its own thread beside the inference engine, on the same model object: fo
 backward only read the weights, so generation continues during them; only the optimizer
 step excludes generation. Version = optimizer steps completed.
 
-Left out: a reference-model KL penalty; LoRA dropout (the model stays in eval mode because
-the engine shares it).
+The model stays in eval mode (the engine shares it). With LoRA, the trainer's forward sees
+`lora.dropout` and the KL penalty's reference (the base model: the adapter switched off)
+through per-thread switches (`jetctl/server/adapter.py`), so generation never sees either.
+`accumulate_gradients` is the forward/backward of one step; `jetctl bench merge` calls it.
+
+Left out: a KL reference for full fine-tuning (it would be a second copy of the model;
+`train.kl_coef > 0` with `finetune: full` is refused by the recipe).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +34,92 @@ from typing import Any
 import torch
 
 from jetctl.faults import Faults
-from jetctl.recipe import ModelConfig
+from jetctl.models import AttnImplementation
+from jetctl.recipe import ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
 from jetctl.server import weights as W
-from jetctl.server.algorithms.grpo import group_advantages, grpo_loss
+from jetctl.server.adapter import adapter_mode
+from jetctl.server.algorithms.grpo import LossStats, group_advantages, grpo_loss
 from jetctl.server.store import StoredGroup, TrajectoryStore
+
+
+def load_trainable(
+    cfg: ModelConfig, attn_implementation: AttnImplementation = "jetctl_tree"
+) -> tuple[Any, Any]:
+    """The model the server trains (LoRA-wrapped when finetune is lora) and its tokenizer.
+
+    `jetctl_tree`: sdpa for generation and padded micro-batches, and only the visible scores
+    of tree-packed ones (merge: tree); the same values as eager up to fp32 rounding order.
+    """
+    from jetctl.models import load_model
+    from jetctl.server import adapter
+
+    torch.manual_seed(cfg.seed)
+    base, tokenizer = load_model(
+        cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation=attn_implementation
+    )
+    model: Any = base
+    if cfg.finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lc = cfg.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                target_modules=list(lc.target_modules), task_type="CAUSAL_LM",
+            ),
+        )
+        adapter.install(model, lc.dropout)  # dropout in the trainer's thread only
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    model.eval()  # shared with the engine; training-only behaviour is per thread (adapter.py)
+    return model, tokenizer
+
+
+@dataclass
+class Accumulated:
+    """What one step's forward/backward over its micro-batches left besides the gradients."""
+
+    loss: float
+    stats: list[tuple[int, LossStats]]  # (scored tokens, stats) per micro-batch
+    normalizer: int  # scored tokens of the step
+    forward_s: float  # reference forwards included
+    backward_s: float
+
+
+def accumulate_gradients(
+    model: Any, microbatches: list[merge.MicroBatch], tc: TrainConfig
+) -> Accumulated:
+    """Forward (+ reference forward when kl_coef > 0), GRPO loss and backward per micro-batch,
+    summing gradients into `.grad`; the loss is a token mean over the whole step."""
+    normalizer = sum(mb.num_targets for mb in microbatches)
+    use_reference = tc.kl_coef > 0
+    loss_total = forward_s = backward_s = 0.0
+    stats: list[tuple[int, LossStats]] = []
+    for mb in microbatches:
+        t0 = time.perf_counter()
+        ref_lp = None
+        if use_reference:
+            with torch.no_grad(), adapter_mode("reference"):
+                ref_lp = merge.token_logprobs(model, mb)
+        with adapter_mode("train"):
+            new_lp = merge.token_logprobs(model, mb)
+        loss, st = grpo_loss(
+            new_lp, mb.old_logprobs.to(new_lp.device), mb.advantages.to(new_lp.device),
+            clip_eps=tc.clip_eps, normalizer=normalizer, ref_logprobs=ref_lp,
+            kl_coef=tc.kl_coef,
+        )
+        t1 = time.perf_counter()
+        loss.backward()
+        backward_s += time.perf_counter() - t1
+        forward_s += t1 - t0
+        loss_total += float(loss.detach())
+        stats.append((mb.num_targets, st))
+        del new_lp, ref_lp, loss
+    return Accumulated(loss_total, stats, normalizer, forward_s, backward_s)
 
 
 @dataclass
@@ -58,7 +144,7 @@ class Trainer:
         store: TrajectoryStore,
         *,
         weights_lock: threading.Lock,
-        checkpoint_dir: Path,
+        checkpoint_dir: str | os.PathLike[str],  # a folder or an fsspec URL
         steps_log: Path,
         on_step: Callable[[dict[str, float]], None] | None = None,
         faults: Faults | None = None,
@@ -71,6 +157,11 @@ class Trainer:
         self.steps_log = steps_log
         self.on_step = on_step
         self.faults = faults or Faults()
+        if cfg.train.kl_coef > 0 and not W.is_lora(model):
+            raise ValueError(
+                "train.kl_coef > 0 needs finetune: lora (the reference is the base model with "
+                "the adapter off); full fine-tuning keeps no reference copy"
+            )
         params = [p for p in model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -226,38 +317,29 @@ class Trainer:
     ) -> dict[str, float]:
         tc = self.cfg.train
         microbatches = merge.pack(sequences, tc.merge, tc.max_tokens_per_microbatch)
-        normalizer = sum(int(mb.targets.numel()) for mb in microbatches)
-        loss_total = 0.0
-        stats = []
-        for mb in microbatches:
-            new_lp = merge.token_logprobs(self.model, mb)
-            loss, st = grpo_loss(
-                new_lp, mb.old_logprobs, mb.advantages, clip_eps=tc.clip_eps,
-                normalizer=normalizer,
-            )
-            loss.backward()
-            loss_total += float(loss.detach())
-            stats.append((int(mb.targets.numel()), st))
+        acc = accumulate_gradients(self.model, microbatches, tc)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.params, self.cfg.optimizer.max_grad_norm
         )
-        w = [n / max(normalizer, 1) for n, _ in stats]
+        w = [n / max(acc.normalizer, 1) for n, _ in acc.stats]
+        stats = [st for _, st in acc.stats]
         tokens_packed = sum(mb.num_tokens for mb in microbatches)
         tokens_naive = sum(len(s.tokens) for s in naive)
         return {
-            "loss": loss_total,
+            "loss": acc.loss,
             "grad_norm": float(grad_norm),
-            "kl": sum(wi * st.approx_kl for wi, (_, st) in zip(w, stats)),
-            "clip_fraction": sum(wi * st.clip_fraction for wi, (_, st) in zip(w, stats)),
-            "importance_ratio/mean": sum(wi * st.ratio_mean for wi, (_, st) in zip(w, stats)),
-            "importance_ratio/min": min(st.ratio_min for _, st in stats),
-            "importance_ratio/max": max(st.ratio_max for _, st in stats),
+            "kl": sum(wi * st.approx_kl for wi, st in zip(w, stats)),
+            "kl_ref": sum(wi * st.ref_kl for wi, st in zip(w, stats)),
+            "clip_fraction": sum(wi * st.clip_fraction for wi, st in zip(w, stats)),
+            "importance_ratio/mean": sum(wi * st.ratio_mean for wi, st in zip(w, stats)),
+            "importance_ratio/min": min(st.ratio_min for st in stats),
+            "importance_ratio/max": max(st.ratio_max for st in stats),
             "num_tokens": float(tokens_packed),
             "merge/tokens_naive": float(tokens_naive),
             "merge/tokens_packed": float(tokens_packed),
             "merge/ratio": tokens_naive / max(tokens_packed, 1),
             "microbatches": float(len(microbatches)),
-            "scored_tokens": float(normalizer),
+            "scored_tokens": float(acc.normalizer),
         }
 
     # --- publishing and checkpoints -----------------------------------------------------
@@ -281,7 +363,7 @@ class Trainer:
                     self.lock.release()
             return self._payload
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> str:
         with self.lock:
             path = ckpt.save(
                 self.checkpoint_dir, self.model, self.optimizer, self.version,

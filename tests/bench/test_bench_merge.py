@@ -102,3 +102,30 @@ def test_unknown_attention_is_one_red_line() -> None:
     result = CliRunner().invoke(build_app(), ["bench", "merge", "--attn", "flash"])
     assert result.exit_code == 1
     assert "choose jetctl_tree, sdpa, eager" in result.output
+
+
+@pytest.mark.unit
+def test_the_bench_measures_the_trainers_own_step_and_model(
+    workloads: list[bm.Workload], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No copy to drift: the bench's step is `trainer.accumulate_gradients` (seen here by
+    wrapping it) on the model `trainer.load_trainable` builds (with the server's per-thread
+    LoRA switch), and its figures are that function's own."""
+    from jetctl.server import trainer
+    from jetctl.server.adapter import AdapterInput
+
+    seen: list[trainer.Accumulated] = []
+    real = trainer.accumulate_gradients
+
+    def wrapped(*args: object, **kwargs: object) -> trainer.Accumulated:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", wrapped)
+    model = bm.trainable_model("builtin:tiny", "lora", "sdpa")
+    assert any(isinstance(m, AdapterInput) for m in model.modules())
+    figures = bm.train_step(model, workloads[2], "tree", 8192, clip_eps=0.2)
+    assert len(seen) == 1
+    assert (figures.loss, figures.scored_tokens) == (seen[0].loss, seen[0].normalizer)
+    assert any(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -6,11 +6,13 @@ naive training exactly equal (the set of scored tokens does not depend on packin
 
     A_i      = (r_i - mean(r)) / (std(r) + eps)          over a group of G rollouts
     ratio_t  = exp(logp_new_t - logp_old_t)               logp_old: behaviour logprobs
-    L        = -sum_t min(ratio_t A_t, clip(ratio_t, 1-eps_c, 1+eps_c) A_t) / N
+    kl_t     = exp(logp_ref_t - logp_new_t) - (logp_ref_t - logp_new_t) - 1
+    L        = -sum_t [min(ratio_t A_t, clip(ratio_t, 1-eps_c, 1+eps_c) A_t) - beta kl_t] / N
 
-Moderately stale tokens are corrected by the ratio; very stale groups never get here
-(the staleness gate). Left out: the KL penalty to a reference model (kl_coef reports the
-k3 estimate against the behaviour policy only).
+kl_t is DeepSeekMath's eq. 4 (Schulman's k3 estimator of KL(new || ref), unbiased and never
+negative) against the reference policy; beta is `train.kl_coef`, and the term is left out
+when beta is 0 or no reference logprobs are given. Moderately stale tokens are corrected by
+the ratio; very stale groups never get here (the staleness gate).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LossStats:
     ratio_min: float
     ratio_max: float
     approx_kl: float  # k3 estimator of KL(old || new) on the scored tokens
+    ref_kl: float = 0.0  # mean kl_t against the reference policy (0 without one)
 
 
 def grpo_loss(
@@ -48,6 +51,8 @@ def grpo_loss(
     *,
     clip_eps: float,
     normalizer: int,  # scored tokens in the whole optimizer step (all micro-batches)
+    ref_logprobs: torch.Tensor | None = None,  # [N] under the reference policy, no grad
+    kl_coef: float = 0.0,  # beta
 ) -> tuple[torch.Tensor, LossStats]:
     # clamp before exp: a token whose probability moved by e^20 is clipped anyway, and an
     # unclamped exp overflows to inf (then NaN gradients) on a very stale token
@@ -55,7 +60,13 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = -torch.minimum(unclipped, clipped).sum() / normalizer
+    objective = torch.minimum(unclipped, clipped)
+    kl: torch.Tensor | None = None
+    if ref_logprobs is not None and kl_coef > 0:
+        log_ref_ratio = torch.clamp(ref_logprobs - new_logprobs, -20.0, 20.0)
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        objective = objective - kl_coef * kl
+    loss = -objective.sum() / normalizer
     with torch.no_grad():
         r = ratio.detach()
         stats = LossStats(
@@ -64,5 +75,6 @@ def grpo_loss(
             ratio_min=float(r.min()) if r.numel() else 1.0,
             ratio_max=float(r.max()) if r.numel() else 1.0,
             approx_kl=float(((r - 1) - log_ratio.detach()).mean()) if r.numel() else 0.0,
+            ref_kl=float(kl.detach().mean()) if kl is not None and kl.numel() else 0.0,
         )
     return loss, stats

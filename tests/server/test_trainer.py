@@ -1,0 +1,213 @@
+"""The trainer on builtin:tiny with a real store: staleness at batch time, zero-variance
+groups, the KL penalty, checkpoint cadence and resume (folders and fsspec URLs)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from jetctl.proto.convert import group_to_pb
+from jetctl.recipe import CheckpointConfig, ModelConfig, OptimizerConfig, TrainConfig
+from jetctl.server import checkpoint as ckpt
+from jetctl.server import merge
+from jetctl.server.adapter import adapter_mode
+from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.trainer import Trainer, load_trainable
+from jetctl.types import TrajectoryGroup
+from tests.factories import make_group
+
+pytestmark = pytest.mark.unit
+
+PROMPT = (11, 12, 13, 14, 15, 16)
+
+
+def config(**train: Any) -> ModelConfig:
+    checkpoint = train.pop("checkpoint", CheckpointConfig(every_steps=1000))
+    finetune = train.pop("finetune", "full")
+    return ModelConfig(
+        model="builtin:tiny", finetune=finetune, optimizer=OptimizerConfig(lr=1e-2),
+        train=TrainConfig(groups_per_step=1, max_staleness=1, **train), checkpoint=checkpoint,
+    )
+
+
+def make_trainer(tmp_path: Path, cfg: ModelConfig, checkpoint_dir: str | None = None,
+                 model: Any = None) -> Trainer:
+    if model is None:
+        model, _ = load_trainable(cfg, attn_implementation="sdpa")
+    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    trainer = Trainer(
+        model, cfg, store, weights_lock=threading.Lock(),
+        checkpoint_dir=checkpoint_dir or str(tmp_path / "checkpoints"),
+        steps_log=tmp_path / "steps.jsonl",
+    )
+    store.open(trained_through_step=trainer.resume())
+    return trainer
+
+
+def submit(trainer: Trainer, rewards: tuple[float, ...] = (0.0, 1.0),
+           version: int | None = None) -> TrajectoryGroup:
+    """Store a group as Submit would have accepted it (made at `version`, default: now)."""
+    g = make_group(rewards=rewards, version=trainer.version if version is None else version,
+                   prompt=PROMPT, completion=(21, 22, 23))
+    assert trainer.store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome == "accepted"
+    return g
+
+
+def step(trainer: Trainer) -> dict[str, float] | None:
+    return trainer.step_once(wait_s=0.1)
+
+
+def weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, config())
+    late = submit(trainer, version=0)  # fresh when accepted ...
+    trainer.store.take(1, timeout_s=0.1)  # ... but it waits while two other steps happen
+    for _ in range(2):
+        submit(trainer)
+        assert step(trainer) is not None
+    assert trainer.version == 2
+    trainer.store.give_back([_stored(late)])
+    before = weights(trainer.model)
+    assert step(trainer) is None, "no step on a batch whose only group is stale"
+    assert trainer.version == 2 and same_weights(before, weights(trainer.model))
+    recorded = trainer.store.recorded(late.id)
+    assert recorded is not None and recorded.outcome == "stale"
+    assert "at batch time" in recorded.reason
+    assert trainer.figures.stale_at_batch == len(late.trajectories)
+    assert trainer.store.buffer_depth == 0
+
+
+def _stored(group: TrajectoryGroup) -> Any:
+    from jetctl.server.store import StoredGroup
+
+    return StoredGroup(group, 0.0)
+
+
+def test_zero_variance_groups_change_no_weight(tmp_path: Path) -> None:
+    """Every rollout of a group scored the same: GRPO's advantages are all zero, so the
+    group carries no signal; it must not move the weights or the version, nor stay buffered."""
+    trainer = make_trainer(tmp_path, config())
+    before = weights(trainer.model)
+    flat = [submit(trainer, rewards=(1.0, 1.0)), submit(trainer, rewards=(0.0, 0.0, 0.0))]
+    for _ in range(4):
+        step(trainer)
+    assert trainer.version == 0 and same_weights(before, weights(trainer.model))
+    assert trainer.store.buffer_depth == 0
+    for g in flat:
+        assert trainer.store.recorded(g.id) is not None
+    informative = submit(trainer, rewards=(0.0, 1.0))
+    while trainer.version == 0:
+        assert step(trainer) is not None or trainer.store.buffer_depth
+    assert not same_weights(before, weights(trainer.model))
+    assert trainer.store.recorded(informative.id) is not None
+
+
+def test_checkpoints_follow_every_steps_and_keep(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, config(checkpoint=CheckpointConfig(every_steps=2, keep=2)))
+    for _ in range(5):
+        submit(trainer)
+        assert step(trainer) is not None
+    assert trainer.version == 5
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000004"]
+    trainer.stop()  # stopping checkpoints what is new since the last checkpoint
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000005"]  # keep: 2
+
+
+@pytest.mark.parametrize("where", ["folder", "file_url", "memory_url"])
+def test_resume_restores_weights_optimizer_and_version(tmp_path: Path, where: str) -> None:
+    target = {"folder": str(tmp_path / "ck"), "file_url": f"file://{tmp_path}/ck",
+              "memory_url": f"memory://jetctl-test-{tmp_path.name}/ck"}[where]
+    cfg = config(checkpoint=CheckpointConfig(every_steps=3, keep=2))
+    first = make_trainer(tmp_path / "a", cfg, checkpoint_dir=target)
+    for _ in range(3):
+        submit(first)
+        step(first)
+    assert first.version == 3
+    trained = weights(first.model)
+    moments = first.optimizer.state_dict()["state"]
+    assert ckpt.latest(target) is not None
+    # written where the URL points, not into a local folder named after its scheme
+    if where == "memory_url":
+        assert fsspec.filesystem("memory").isdir(f"/jetctl-test-{tmp_path.name}/ck/step-00000003")
+    else:
+        assert (tmp_path / "ck" / "step-00000003" / "manifest.json").is_file()
+
+    second = make_trainer(tmp_path / "b", cfg, checkpoint_dir=target)
+    assert second.version == 3
+    assert same_weights(trained, weights(second.model))
+    again = second.optimizer.state_dict()["state"]
+    assert torch.equal(moments[0]["exp_avg"], again[0]["exp_avg"])
+    submit(second)
+    assert step(second) is not None and second.version == 4, "training goes on from there"
+
+
+def test_a_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+    cfg = config(checkpoint=CheckpointConfig(every_steps=1, keep=5))
+    first = make_trainer(tmp_path / "a", cfg, checkpoint_dir=str(tmp_path / "ck"))
+    for _ in range(2):
+        submit(first)
+        step(first)
+    newest = tmp_path / "ck" / "step-00000002" / "weights.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-7] + b"garbage")  # the manifest's sha256 fails
+    second = make_trainer(tmp_path / "b", cfg, checkpoint_dir=str(tmp_path / "ck"))
+    assert second.version == 1
+
+
+# --------------------------------------------------------------------------- KL penalty
+
+
+def reference_kl(trainer: Trainer) -> float:
+    """Mean k3 KL(policy || base model) over a fixed completion."""
+    g = make_group(prompt=PROMPT, completion=(21, 22, 23, 24, 25))
+    (mb,) = merge.pack(merge.timeline_sequences(g.trajectories[0], 1.0, "off"), "off", 8192)
+    with torch.no_grad():
+        new = merge.token_logprobs(trainer.model, mb)
+        with adapter_mode("reference"):
+            ref = merge.token_logprobs(trainer.model, mb)
+    return float((torch.exp(ref - new) - (ref - new) - 1).mean())
+
+
+def train_lora(tmp_path: Path, kl_coef: float, steps: int) -> tuple[Trainer, list[dict[str, float]]]:
+    cfg = config(finetune="lora", kl_coef=kl_coef)
+    trainer = make_trainer(tmp_path, cfg)
+    torch.manual_seed(0)
+    scalars = []
+    for i in range(steps):
+        submit(trainer, rewards=(0.0, 1.0) if i % 2 else (1.0, 0.0))
+        s = step(trainer)
+        assert s is not None
+        scalars.append(s)
+    return trainer, scalars
+
+
+def test_kl_penalty_holds_the_policy_near_the_base_model(tmp_path: Path) -> None:
+    free, _ = train_lora(tmp_path / "free", kl_coef=0.0, steps=8)
+    held, scalars = train_lora(tmp_path / "held", kl_coef=5.0, steps=8)
+    # a fresh adapter adds exactly zero (lora_B starts at 0): the policy is the reference
+    assert scalars[0]["kl_ref"] == 0.0
+    assert scalars[-1]["kl_ref"] > 0.0, "the penalty sees the policy move"
+    assert reference_kl(free) > 0.0
+    assert reference_kl(held) < 0.5 * reference_kl(free)
+
+
+def test_kl_penalty_is_refused_without_a_reference(tmp_path: Path) -> None:
+    cfg = ModelConfig.model_construct(  # the recipe refuses it; the trainer checks again
+        **{**config().__dict__, "train": TrainConfig(kl_coef=0.1)}
+    )
+    model, _ = load_trainable(config(), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="kl_coef > 0 needs finetune: lora"):
+        make_trainer(tmp_path, cfg, model=model)
