@@ -32,7 +32,6 @@ killing the controller itself.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -49,6 +48,7 @@ from jetctl.faults import ENDPOINT_OVERRIDE_ENV, FAULTS_FILE_ENV, write_faults_f
 from jetctl.ledger import Ledger, build_ledger
 from jetctl.netproxy import Mode, ProxyThread
 from jetctl.recipe import Recipe
+from jetctl.rundir import RunPaths, read_json
 
 log = logging.getLogger("jetctl.chaos")
 
@@ -87,14 +87,6 @@ class FaultRecord:
                 f"recovered in {rec}{budget}; {self.detail}")
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _query(path: Path, sql: str) -> list[tuple[Any, ...]]:
     """Rows from a live sqlite file, read-only ([] when it is not there yet)."""
     if not path.is_file():
@@ -127,11 +119,12 @@ class ChaosRun:
         self.recipe_path = Path(recipe_path)
         self.recipe: Recipe = load_recipe(self.recipe_path)
         self.run_dir = Path(run_dir).resolve()
+        self.paths = RunPaths(self.run_dir)
         self.grace_s = grace_s
         self.say = say or (lambda msg: log.info("%s", msg))
         self.records: list[FaultRecord] = []
         self.proxies: dict[str, ProxyThread] = {}
-        self.faults_file = self.run_dir / "faults"
+        self.faults_file = self.paths.faults
         self._env_before: dict[str, str | None] = {}
         self._ctl: Any = None
         self._thread: threading.Thread | None = None
@@ -150,7 +143,7 @@ class ChaosRun:
         )
         ctl.setup()  # picks the servers' ports and writes run.json; starts nothing yet
         self._ctl = ctl
-        servers = (_read_json(self.run_dir / "run.json") or {}).get("servers") or {}
+        servers = (read_json(self.paths.run_json) or {}).get("servers") or {}
         routes = []
         for model, entry in servers.items():
             host, _, port = str(entry["endpoint"]).rpartition(":")
@@ -203,13 +196,13 @@ class ChaosRun:
         return time.monotonic() - self._t0
 
     def server_info(self, model: str) -> dict[str, Any] | None:
-        return _read_json(self.run_dir / "servers" / f"{model}.json")
+        return read_json(self.paths.server_file(model))
 
     def node_info(self, name: str) -> dict[str, Any] | None:
-        return _read_json(self.run_dir / "nodes" / f"{name}.json")
+        return read_json(self.paths.node_file(name))
 
     def client_names(self) -> list[str]:
-        return sorted((_read_json(self.run_dir / "run.json") or {}).get("clients") or {})
+        return sorted((read_json(self.paths.run_json) or {}).get("clients") or {})
 
     def version(self, model: str) -> int:
         info = self.server_info(model)
@@ -217,18 +210,18 @@ class ChaosRun:
 
     def resumed_from(self, model: str) -> list[int]:
         """The checkpoint version of each start of the server (from its store)."""
-        rows = _query(self.run_dir / f"server-{model}" / "store.sqlite",
+        rows = _query(self.paths.store(model),
                       "SELECT resumed_from FROM epochs ORDER BY epoch")
         return [int(r[0]) for r in rows]
 
     def checkpoint_dir(self, model: str) -> Path:
         d = self.recipe.models[model].checkpoint.dir
-        return Path(d) if d else self.run_dir / "checkpoints" / model
+        return Path(d) if d else self.paths.checkpoints(model)
 
     def spool_pending(self) -> set[str]:
         """Group ids pending in any client spool."""
         out: set[str] = set()
-        for path in (self.run_dir / "spool").glob("*.sqlite"):
+        for path in self.paths.spools().values():
             out |= {r[0] for r in _query(path, "SELECT id FROM pending")}
         return out
 
@@ -300,7 +293,7 @@ class ChaosRun:
 
     def kill_client(self, name: str, timeout_s: float = 120.0) -> FaultRecord:
         """kill -9 a client node while its rollouts run; measure until it runs again."""
-        spool = self.run_dir / "spool" / f"{name}.sqlite"
+        spool = self.paths.spool(name)
 
         def rolling() -> bool:
             info = self.node_info(name) or {}
@@ -389,7 +382,7 @@ class ChaosRun:
 
     def _dropped_acks(self) -> int:
         n = 0
-        for path in (self.run_dir / "logs").glob("server-*.log"):
+        for path in self.paths.logs.glob("server-*.log"):
             try:
                 n += path.read_text(errors="replace").count("fault drop_ack:")
             except OSError:

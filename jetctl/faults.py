@@ -32,6 +32,8 @@ from typing import Any
 
 import grpc
 
+from jetctl.rundir import write_text_atomic
+
 log = logging.getLogger("jetctl.faults")
 
 FAULTS_ENV = "JETCTL_FAULTS"
@@ -122,9 +124,7 @@ class Faults:
 
 def write_faults_file(path: Path, faults: dict[str, float]) -> None:
     """Atomically set the faults that `Faults` instances reading `path` apply."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(format_faults(faults) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, format_faults(faults) + "\n")
 
 
 def drop_ack_interceptor(faults: Faults) -> grpc.aio.ServerInterceptor:

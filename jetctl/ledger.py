@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jetctl.rundir import RunPaths
+
 ProblemKind = Literal["lost", "trained_twice", "conflict"]
 REJECT_REASONS = ("stale", "invalid", "revision")
 MAX_PROBLEMS_SHOWN = 20
@@ -266,17 +268,16 @@ def _reason_code(reason: str) -> str:
 
 def build_ledger(run_dir: Path) -> Ledger:
     """Read every store and spool of the run and classify each trajectory id once."""
-    run_dir = Path(run_dir)
+    paths = RunPaths(Path(run_dir))
     ledger = Ledger()
     server: dict[str, list[_ServerRow]] = {}
-    for path in sorted(run_dir.glob("server-*/store.sqlite")):
-        model = path.parent.name.removeprefix("server-")
+    for model, path in paths.stores().items():
         for tid, rows in _read_store(model, path, ledger).items():
             server.setdefault(tid, []).extend(rows)
     client: dict[str, list[_ClientFact]] = {}
-    for path in sorted((run_dir / "spool").glob("*.sqlite")):
-        ledger.nodes.append(path.stem)
-        for tid, facts in _read_spool(path.stem, path).items():
+    for node, path in paths.spools().items():
+        ledger.nodes.append(node)
+        for tid, facts in _read_spool(node, path).items():
             client.setdefault(tid, []).extend(facts)
 
     for tid in server.keys() | client.keys():

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from jetctl.rundir import RunPaths, replacing
 
 REWARD_KEY = "reward/mean"
 STEPS_SUFFIX = ".steps.jsonl"
@@ -61,7 +62,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 def read_run_rewards(run_dir: Path) -> dict[str, list[RewardPoint]]:
     """model -> its reward points, for every `metrics/<model>.steps.jsonl` of the run."""
-    metrics = Path(run_dir) / "metrics"
+    metrics = RunPaths(Path(run_dir)).metrics
     curves: dict[str, list[RewardPoint]] = {}
     for path in sorted(metrics.glob(f"*{STEPS_SUFFIX}")):
         curves[path.name[: -len(STEPS_SUFFIX)]] = read_reward_points(path)
@@ -74,23 +75,21 @@ def write_reward_curve(run_dir: Path | str, window: int = 10) -> tuple[Path, Pat
     curves = {m: pts for m, pts in read_run_rewards(run_dir).items() if pts}
     if not curves:
         return None
-    csv_path = run_dir / "reward_curve.csv"
-    png_path = run_dir / "reward_curve.png"
+    paths = RunPaths(run_dir)
+    csv_path, png_path = paths.reward_curve_csv, paths.reward_curve_png
     _write_csv(csv_path, curves, window)
     _write_png(png_path, curves, window)
     return csv_path, png_path
 
 
 def _write_csv(path: Path, curves: dict[str, list[RewardPoint]], window: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "step", "time", "reward_mean", f"reward_mean_ma{window}"])
         for model, pts in curves.items():
             avg = moving_average([p.reward for p in pts], window)
             for p, a in zip(pts, avg):
                 w.writerow([model, p.step, f"{p.time:.3f}", f"{p.reward:.6g}", f"{a:.6g}"])
-    os.replace(tmp, path)
 
 
 def _write_png(path: Path, curves: dict[str, list[RewardPoint]], window: int) -> None:
@@ -114,6 +113,5 @@ def _write_png(path: Path, curves: dict[str, list[RewardPoint]], window: int) ->
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png")

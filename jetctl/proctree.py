@@ -15,6 +15,8 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
+
 
 def _stat(pid: int) -> list[str] | None:
     """/proc/<pid>/stat after the command name (state first) of a live, non-zombie process."""
@@ -64,3 +66,24 @@ def kill_session(sid: int, sig: signal.Signals = signal.SIGKILL) -> int:
         except (ProcessLookupError, PermissionError):
             pass
     return n
+
+
+def pid_alive(pid: int, create_time: float = 0.0) -> bool:
+    """The pid runs (and, when create_time is given, is that same process)."""
+    if pid <= 0:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time == 0.0 or abs(p.create_time() - create_time) < 0.05
+    except psutil.Error:
+        return False
+
+
+def process_create_time(pid: int) -> float:
+    """psutil's create time of `pid` (0.0 if it is gone): what pid files record."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0

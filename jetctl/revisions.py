@@ -13,29 +13,20 @@ but every task starts at r0) or a bare revision (every task).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
-
-def refused_path(run_dir: Path, model: str) -> Path:
-    return Path(run_dir) / "refused" / f"{model}.json"
+from jetctl.rundir import RunPaths, read_json, write_json_atomic
 
 
 def read_refused(run_dir: Path, model: str) -> frozenset[str]:
     """The entries the controller asks `model`'s server to refuse (empty when none)."""
-    try:
-        data = json.loads(refused_path(run_dir, model).read_text())
-    except (OSError, ValueError):
-        return frozenset()
-    revisions = data.get("revisions") if isinstance(data, dict) else None
-    return frozenset(str(r) for r in revisions or ())
+    data = read_json(RunPaths(Path(run_dir)).refused_file(model)) or {}
+    return frozenset(str(r) for r in data.get("revisions") or ())
 
 
 def write_refused(run_dir: Path, model: str, entries: Iterable[str]) -> None:
-    path = refused_path(run_dir, model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"model": model, "revisions": sorted(set(entries))}) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(
+        RunPaths(Path(run_dir)).refused_file(model),
+        {"model": model, "revisions": sorted(set(entries))},
+    )

@@ -19,15 +19,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from jetctl.controller.rundir import (
-    RunDirError,
-    pid_alive,
-    read_run_json,
-    read_token_for,
-)
 from jetctl.controller.service import call_control
+from jetctl.proctree import pid_alive
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
+from jetctl.rundir import RunDirError, RunPaths, read_run_json, read_token_for
 from jetctl.tls import TlsFiles
 
 
@@ -48,7 +44,7 @@ def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:
     if not controller_alive(info):
         if info.get("state") == "finished":
             raise RunFinished(
-                f"run {run} has finished; its reward curve is in {run_dir}/reward_curve.png"
+                f"run {run} has finished; its reward curve is in {RunPaths(run_dir).reward_curve_png}"
             )
         raise RunDirError(
             f"the controller of run {run} (pid {ctl.get('pid')}) is not running: "

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from jetctl.rundir import RunPaths
+
 if TYPE_CHECKING:
     import grpc
 
@@ -128,7 +130,7 @@ def tls_files(cfg: TlsConfig, run_dir: Path) -> TlsFiles | None:
     """The run's TLS files for `run.tls` (None when mode is off)."""
     if cfg.mode == "off":
         return None
-    folder = Path(cfg.cert_dir) if cfg.cert_dir else Path(run_dir) / "tls"
+    folder = Path(cfg.cert_dir) if cfg.cert_dir else RunPaths(Path(run_dir)).tls
     return TlsFiles(mode=cfg.mode, dir=folder.resolve())
 
 

@@ -10,13 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
-from jetctl.controller.rundir import (
-    RunDirError,
-    find_run_dir,
-    update_latest_link,
-    write_json_atomic,
-)
 from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.rundir import RunDirError, find_run_dir, update_latest_link, write_json_atomic
 from jetctl.status import RunFinished, document, fetch_status, render_status
 
 pytestmark = pytest.mark.unit

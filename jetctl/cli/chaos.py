@@ -32,7 +32,7 @@ def chaos(
     """Train under faults (kill -9, partitions, lost acks); print the ledger; exit 1 if unbalanced."""
     from jetctl.chaos import ChaosError, ChaosRun, run_schedule
     from jetctl.cli.up import load_recipe_or_fail
-    from jetctl.controller.rundir import RunDirError
+    from jetctl.rundir import RunDirError
 
     if duration < 30:
         fail(f"--duration {duration:g} is too short for one fault: use at least 30")

@@ -2,15 +2,14 @@
 
     jetctl client --recipe recipes/digits.yaml --task digits --index 0 --run-dir runs/x
 
-The token comes from `$JETCTL_TOKEN` or `<run_dir>/token`; the server endpoint from
-`<run_dir>/servers/<model>.json`. SIGTERM drains (finish rollouts, flush the spool) and
+The token comes from `$JETCTL_TOKEN` or `<run_dir>/token` (jetctl.rundir); the server
+endpoint from `<run_dir>/servers/<model>.json`. SIGTERM drains (finish rollouts, flush the spool) and
 exits 0. The node's name is `<task>-<index>` (or `--name`); it names the status file
 `<run_dir>/nodes/<name>.json`, the spool `<run_dir>/spool/<name>.sqlite`.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -61,7 +60,7 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import logging
 
-        from jetctl.auth import read_token
+        from jetctl.rundir import RunDirError, read_token_for
 
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -73,12 +72,10 @@ def register(app: typer.Typer) -> None:
             )
         if max_groups is not None and max_groups < 1:
             fail(f"--max-groups must be >= 1, got {max_groups}")
-        token = os.environ.get("JETCTL_TOKEN")
-        if not token:
-            token_path = run_dir / "token"
-            if not token_path.is_file():
-                fail(f"no token: set JETCTL_TOKEN or create {token_path} (jetctl up writes it)")
-            token = read_token(token_path)
+        try:
+            token = read_token_for(run_dir)
+        except RunDirError as exc:
+            fail(str(exc))
         from jetctl.tls import TlsError, tls_files
 
         tls = tls_files(recipe_obj.run.tls, run_dir)

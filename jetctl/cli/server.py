@@ -24,8 +24,9 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import logging
 
-        from jetctl.recipe import load_recipe
-        from jetctl.server.app import ServerOptions, resolve_token, serve
+        from jetctl.recipe import RecipeError, load_recipe
+        from jetctl.rundir import RunDirError, read_token_for
+        from jetctl.server.app import ServerOptions, serve
         from jetctl.tls import TlsError, tls_files
 
         logging.basicConfig(
@@ -33,8 +34,8 @@ def register(app: typer.Typer) -> None:
         )
         try:
             rec = load_recipe(recipe)
-        except Exception as exc:  # RecipeError or OSError: one red line
-            fail(getattr(exc, "render", lambda: str(exc))())
+        except RecipeError as exc:  # every issue, one line each
+            fail(str(exc))
         if model not in rec.models:
             fail(f"model {model!r} is not in {recipe} (models: {', '.join(rec.models)})")
         tls = tls_files(rec.run.tls, run_dir)
@@ -43,9 +44,13 @@ def register(app: typer.Typer) -> None:
                 tls.check("server")
         except TlsError as exc:
             fail(str(exc))
+        try:
+            token = read_token_for(run_dir)
+        except RunDirError as exc:
+            fail(str(exc))
         opts = ServerOptions(
             name=model, cfg=rec.models[model], run_dir=run_dir.resolve(),
-            token=resolve_token(run_dir), port=port, metrics_port=metrics_port,
+            token=token, port=port, metrics_port=metrics_port,
             train=not no_train, tls=tls,
         )
         raise typer.Exit(asyncio.run(serve(opts)))

@@ -26,7 +26,7 @@ def status(
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
 ) -> None:
     """Show a run's servers and clients, from its controller."""
-    from jetctl.controller.rundir import RunDirError, find_run_dir
+    from jetctl.rundir import RunDirError, find_run_dir
     from jetctl.status import RunFinished, document, fetch_status, render_status
 
     console = Console()

@@ -64,7 +64,7 @@ def up(
     grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
-    from jetctl.controller.rundir import RunPaths
+    from jetctl.rundir import RunPaths
     from jetctl.status import document, render_progress
 
     rec = load_recipe_or_fail(recipe)
@@ -84,13 +84,13 @@ def up(
     loop.join()
     console.line()
     console.print(f"run {rec.run.name} ended: {ctl.stop_reason}")
-    curve = rd / "reward_curve.png"
+    curve = RunPaths(rd).reward_curve_png
     if curve.is_file():
         console.print(f"reward curve: {curve}")
 
 
 def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
-    from jetctl.controller.rundir import RunPaths, read_json
+    from jetctl.rundir import RunPaths, read_json
     from jetctl.status import controller_alive
 
     paths = RunPaths(run_dir)
@@ -153,7 +153,7 @@ def _set_up_controller(
 ) -> Controller:
     """A controller with its run dir set up and its signal handlers installed."""
     from jetctl.controller.controller import Controller, ControllerOptions
-    from jetctl.controller.rundir import RunDirError
+    from jetctl.rundir import RunDirError
 
     ctl = Controller(
         rec, recipe, run_dir=run_dir, resume=resume, latest_link=LATEST_LINK,
@@ -174,9 +174,9 @@ def down(
     """Stop a run: drain clients, then servers, and wait until the controller exits."""
     import grpc
 
-    from jetctl.controller.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
     from jetctl.controller.service import call_control
     from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
     from jetctl.status import controller_alive
     from jetctl.tls import TlsFiles
 
@@ -212,10 +212,10 @@ def down(
 def stop_orphans(run_dir: Path, grace: float) -> int:
     """Stop a dead controller's nodes from their pid files (clients first), then write the
     reward curve and mark run.json finished. Returns how many nodes were running."""
-    from jetctl.controller.rundir import RunPaths, read_json, write_json_atomic
     from jetctl.controller.runtimes.base import Runtime
     from jetctl.controller.runtimes.process import ProcessRuntime
     from jetctl.plot import write_reward_curve
+    from jetctl.rundir import RunPaths, read_json, write_json_atomic
 
     runtimes: list[Runtime] = [ProcessRuntime(run_dir)]
     if _has_containers(run_dir):
@@ -245,8 +245,8 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
 
 def _has_containers(run_dir: Path) -> bool:
     """The run's recipe puts a task on docker (then its containers are looked up by label)."""
-    from jetctl.controller.rundir import RunPaths, read_json
     from jetctl.recipe import RecipeError, load_recipe
+    from jetctl.rundir import RunPaths, read_json
 
     recipe = str((read_json(RunPaths(run_dir).run_json) or {}).get("recipe") or "")
     try:

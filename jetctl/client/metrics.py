@@ -1,4 +1,5 @@
-"""Prometheus metrics of a client node, in a registry of its own (names: CONVENTIONS.md).
+"""A client node's counters: Prometheus metrics in a registry of their own (names:
+CONVENTIONS.md), and the figures of its status (`NodeStats`).
 
     metrics = ClientMetrics()
     port = metrics.serve("127.0.0.1", 0)   # http://127.0.0.1:port/metrics
@@ -8,11 +9,30 @@ Left out: per-trajectory labels (unbounded cardinality), push gateways.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 ROLLOUT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+@dataclass
+class NodeStats:
+    """What a node counted since it started (its status figures); production counts the
+    rollouts and groups, delivery the acks, both the dropped trajectories by reason."""
+
+    rollouts_done: int = 0
+    rollouts_failed: int = 0
+    rollouts_timeout: int = 0
+    groups_spooled: int = 0
+    groups_dropped: int = 0
+    groups_finished: int = 0
+    acks: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
 
 
 class ClientMetrics:

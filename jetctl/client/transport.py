@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from tenacity import (
 from jetctl.auth import bearer
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
+from jetctl.rundir import RunPaths, read_json
 from jetctl.tls import TlsFiles
 
 if TYPE_CHECKING:
@@ -87,16 +87,13 @@ class Weights:
 
 def read_endpoint(run_dir: Path, model: str) -> str:
     """host:port of `model`'s server from `<run_dir>/servers/<model>.json`."""
-    path = Path(run_dir) / "servers" / f"{model}.json"
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise EndpointNotFound(
-            f"{path} does not exist yet (is the server for {model!r} up?)"
-        ) from e
-    except json.JSONDecodeError as e:
-        raise EndpointNotFound(f"{path} is not valid JSON yet: {e}") from e
-    endpoint = info.get("endpoint") if isinstance(info, dict) else None
+    path = RunPaths(Path(run_dir)).server_file(model)
+    if not path.is_file():
+        raise EndpointNotFound(f"{path} does not exist yet (is the server for {model!r} up?)")
+    info = read_json(path)  # written atomically: None only for a foreign or broken file
+    if info is None:
+        raise EndpointNotFound(f"{path} is not a JSON object")
+    endpoint = info.get("endpoint")
     if not isinstance(endpoint, str) or not endpoint:
         raise EndpointNotFound(f"{path} has no endpoint")
     return endpoint

@@ -10,7 +10,6 @@ NOT_SERVING), finish the current step, checkpoint, exit 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -23,10 +22,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jetctl.auth import read_token
 from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.recipe import ModelConfig
 from jetctl.revisions import read_refused
+from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
 from jetctl.server.engines import make_engine
 from jetctl.server.metrics import ServerMetrics
@@ -51,16 +50,6 @@ class ServerOptions:
     tls: TlsFiles | None = None  # run.tls; None: plaintext
 
 
-def resolve_token(run_dir: Path) -> str:
-    env = os.environ.get("JETCTL_TOKEN")
-    if env:
-        return env
-    path = run_dir / "token"
-    if not path.is_file():
-        raise SystemExit(f"no token: set JETCTL_TOKEN or create {path} (jetctl up does this)")
-    return read_token(path)
-
-
 async def serve(opts: ServerOptions) -> int:
     import torch
 
@@ -68,19 +57,19 @@ async def serve(opts: ServerOptions) -> int:
 
     cfg = opts.cfg
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
-    server_dir = opts.run_dir / f"server-{opts.name}"
-    server_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = cfg.checkpoint.dir or str(opts.run_dir / "checkpoints" / opts.name)  # or a URL
+    paths = RunPaths(opts.run_dir)
+    paths.server_dir(opts.name).mkdir(parents=True, exist_ok=True)
+    ckpt_dir = cfg.checkpoint.dir or str(paths.checkpoints(opts.name))  # or a URL
 
     t0 = time.monotonic()
     model, tokenizer = load_trainable(cfg)
     metrics = ServerMetrics()
     lock = threading.Lock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
-    store = TrajectoryStore(server_dir / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(paths.store(opts.name), decode=GroupCodec())
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
-        steps_log=opts.run_dir / "metrics" / f"{opts.name}.steps.jsonl", on_step=metrics.on_step,
+        steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
         faults=faults,
     )
     version = trainer.resume()
@@ -201,16 +190,12 @@ def _write_endpoint(
     opts: ServerOptions, port: int, metrics_port: int, version: int,
     refused: frozenset[str] = frozenset(),
 ) -> None:
-    path = opts.run_dir / "servers" / f"{opts.name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    write_json_atomic(RunPaths(opts.run_dir).server_file(opts.name), {
         "model": opts.name,
         "endpoint": f"{opts.cfg.host}:{port}",
         "metrics": f"{opts.cfg.host}:{metrics_port}",
         "pid": os.getpid(),
         "version": version,
         "refused_revisions": sorted(refused),
-    }))
-    os.replace(tmp, path)
+    })
 

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.controller.controller import Controller
-from jetctl.controller.rundir import RunDirError
 from jetctl.controller.service import call_control
 from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.rundir import RunDirError
 from jetctl.status import document
 from tests.controller.controller_fakes import (
     FAKE_NODE,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from jetctl.controller.controller import Controller, JetctlCommands
-from jetctl.controller.rundir import RunDirError
 from jetctl.controller.runtimes.base import ContainerSpec, NodeSpec
+from jetctl.rundir import RunDirError
 from tests.controller.controller_fakes import (
     FAKE_NODE,
     FAST,

@@ -100,7 +100,7 @@ def test_a_new_revision_that_never_comes_up_is_rolled_back(
     # writes (fake clients write nodes/<--name>.json; break that by hiding --name)
     r = make_controller(recipe_dict(clients=1)).start()
     wait_for(r.all_running, what="every node running")
-    real = r.ctl.commands
+    real = r.ctl.reconciler.commands
 
     class NoName:
         def server(self, model: str, port: int, metrics_port: int | None) -> list[str]:
@@ -116,7 +116,7 @@ def test_a_new_revision_that_never_comes_up_is_rolled_back(
         ) -> list[str]:
             return real.client(task, index, revision, None, agent)
 
-    monkeypatch.setattr(r.ctl, "commands", NoName())
+    monkeypatch.setattr(r.ctl.reconciler, "commands", NoName())
     result = r.ctl.swap_clients("arith", agent="agents.x:agent", healthy_timeout_s=2.0)
 
     assert not result.ok and "did not report running" in result.message
@@ -169,7 +169,7 @@ def test_concurrent_swaps_of_one_task_are_refused(make_controller, run_dir: Path
         target=lambda: results.append(r.ctl.swap_clients("arith", agent="a.b:c").message)
     )
     t.start()
-    wait_for(lambda: "arith" in r.ctl._swapping, what="the first swap to begin")
+    wait_for(lambda: "arith" in r.ctl.swapper.swapping, what="the first swap to begin")
     second = r.ctl.swap_clients("arith", agent="a.b:d")
     t.join(timeout=30)
     assert not second.ok and "already in progress" in second.message

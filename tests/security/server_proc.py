@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetctl.auth import write_token
-from jetctl.controller.rundir import free_port
+from jetctl.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "security-test-token"

@@ -45,6 +45,7 @@ from jetctl.controller.runtimes.base import (
     NodeState,
     Runtime,
 )
+from jetctl.rundir import RunPaths
 
 if TYPE_CHECKING:
     from docker import DockerClient
@@ -342,7 +343,7 @@ class DockerRuntime(Runtime):
             kind="server" if labels.get("jetctl.kind") == "server" else "client",
             argv=argv,
             log_path=Path(
-                env.get("JETCTL_LOG", str(self.run_dir / "logs" / f"{container.name}.log"))
+                env.get("JETCTL_LOG", str(RunPaths(self.run_dir).log(container.name)))
             ),
             model=labels.get("jetctl.model", ""),
             task=labels.get("jetctl.task", ""),

@@ -12,17 +12,16 @@ The start time guards against a recycled pid. Left out: limits (use docker).
 from __future__ import annotations
 
 import builtins
-import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from jetctl import proctree
-from jetctl.controller.rundir import pid_alive, process_create_time
 from jetctl.controller.runtimes.base import NodeHandle, NodeSpec, NodeState, Runtime
+from jetctl.proctree import pid_alive, process_create_time
+from jetctl.rundir import RunPaths, read_json, write_json_atomic
 
 
 class ProcessRuntime(Runtime):
@@ -32,7 +31,8 @@ class ProcessRuntime(Runtime):
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
-        self.pid_dir = self.run_dir / "pids"
+        self.paths = RunPaths(self.run_dir)
+        self.pid_dir = self.paths.pids
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     # -- the interface ------------------------------------------------------------------
@@ -91,7 +91,7 @@ class ProcessRuntime(Runtime):
         if not self.pid_dir.is_dir():
             return handles
         for path in sorted(self.pid_dir.glob("*.pid")):
-            rec = _read_json(path)
+            rec = read_json(path)
             if rec is None:
                 continue
             pid = int(rec["pid"])
@@ -114,7 +114,7 @@ class ProcessRuntime(Runtime):
         return handles
 
     def release(self, handle: NodeHandle) -> None:
-        rec = _read_json(self._pid_path(handle.spec.name))
+        rec = read_json(self._pid_path(handle.spec.name))
         if rec is not None and rec.get("pid") == handle.pid:
             self._pid_path(handle.spec.name).unlink(missing_ok=True)
         if handle.pid is not None:
@@ -123,7 +123,7 @@ class ProcessRuntime(Runtime):
     # -- pid files ----------------------------------------------------------------------
 
     def _pid_path(self, name: str) -> Path:
-        return self.pid_dir / f"{name}.pid"
+        return self.paths.pid_file(name)
 
     def _write_pid_file(self, handle: NodeHandle, create_time: float) -> None:
         s = handle.spec
@@ -141,24 +141,13 @@ class ProcessRuntime(Runtime):
             "log_path": str(s.log_path),
             "labels": s.labels,
         }
-        path = self._pid_path(s.name)
-        tmp = path.with_suffix(".pid.tmp")
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, path)
+        write_json_atomic(self._pid_path(s.name), rec)
 
     def _recorded_create_time(self, handle: NodeHandle) -> float:
-        rec = _read_json(self._pid_path(handle.spec.name))
+        rec = read_json(self._pid_path(handle.spec.name))
         if rec is None or rec.get("pid") != handle.pid:
             return 0.0
         return float(rec.get("create_time") or 0.0)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _signal(pid: int, sig: signal.Signals, group: bool) -> None:

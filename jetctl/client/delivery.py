@@ -1,0 +1,228 @@
+"""Delivery: a node's spooled groups pushed to the model's server until each has an ack.
+
+    delivery = Delivery(spool, transport, stats, metrics, on_revision_refused=node.drain)
+    sender = asyncio.create_task(delivery.run())   # until delivery.stop()
+    delivery.wake()                                # a new group is spooled
+    await delivery.flush(grace_s)                  # drain: wait for the spool to empty
+
+A group leaves the spool only on an ack (docs/architecture.md section 6). Due groups go in
+batches of at most `batch_groups` and the server's message cap; transport errors defer them
+with capped exponential backoff + jitter; while the link is down the oldest group is resent
+every `probe_s` and the first ack makes every deferred group due again, so a healed partition
+drains in less time than it lasted. A request the server refuses whole (INVALID_ARGUMENT) is
+resent one group at a time to find the bad one. STALE, INVALID and REVISION are final; the
+REVISION ack means the server refuses this node's revision, so the node drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from jetctl.client.metrics import ClientMetrics, NodeStats
+from jetctl.client.spool import Outcome, PendingGroup, Spool
+from jetctl.client.transport import EndpointNotFound, SwarmTransport
+from jetctl.proto._gen import swarm_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SILENT_S = 5.0  # a Submit unanswered this long marks the server unreachable in the status
+
+ACK_OUTCOME: dict[int, Outcome] = {
+    pb.Ack.ACCEPTED: "accepted",
+    pb.Ack.DUPLICATE: "duplicate",
+    pb.Ack.STALE: "stale",
+    pb.Ack.INVALID: "invalid",
+    pb.Ack.REVISION: "revision",
+}
+
+
+@dataclass(frozen=True)
+class DeliveryOptions:
+    batch_groups: int = 8  # groups per Submit
+    resend_base_s: float = 0.5
+    resend_max_s: float = 30.0
+    probe_s: float = 2.0  # while Submit fails, resend the oldest group this often
+
+
+class Delivery:
+    """The sender side of a node: spool -> Submit -> acks."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        transport: SwarmTransport,
+        stats: NodeStats,
+        metrics: ClientMetrics,
+        *,
+        options: DeliveryOptions = DeliveryOptions(),
+        on_revision_refused: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.spool = spool
+        self.transport = transport
+        self.stats = stats
+        self.metrics = metrics
+        self.opts = options
+        self._on_revision_refused = on_revision_refused
+        # groups per Submit; drops to 1 after a whole request was refused, to isolate the bad one
+        self._batch = options.batch_groups
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._link_down_since: float | None = None  # monotonic; a Submit failed in transport
+        self._last_probe = 0.0
+        self._submit_since: float | None = None  # monotonic start of the Submit under way
+
+    def wake(self) -> None:
+        """A group is due (just spooled, or a drain wants the spool flushed)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def reachable(self) -> bool:
+        """The last call got an answer and no Submit has hung for SILENT_S: a blackholed
+        connection refuses nothing, and gRPC keepalive may take longer to notice."""
+        silent = self._submit_since is not None and (
+            time.monotonic() - self._submit_since > SILENT_S
+        )
+        return self.transport.reachable and not silent
+
+    async def run(self) -> None:
+        """Send until `stop()`; cancelling it abandons a Submit still retrying (its groups
+        stay spooled)."""
+        while not self._stop.is_set():
+            sent = await self._send_once()
+            if sent:
+                continue
+            if self._probe_due():
+                continue
+            next_due = self.spool.next_due_at()
+            wait = 1.0 if next_due is None else min(1.0, max(0.02, next_due - time.time()))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
+
+    async def flush(self, grace_s: float) -> None:
+        """Wait until the spool is empty or `grace_s` is up (un-acked groups stay spooled)."""
+        deadline = time.monotonic() + grace_s
+        while self.spool.depth() > 0 and time.monotonic() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.05)
+        if self.spool.depth() > 0:
+            log.warning(
+                "drain: %d groups still un-acked; they stay in %s",
+                self.spool.depth(),
+                self.spool.path,
+            )
+
+    async def _send_once(self) -> int:
+        """Push one batch of due groups; returns how many were attempted."""
+        due = self.spool.due(limit=self._batch)
+        if not due:
+            return 0
+        limit = self.transport.max_message_bytes
+        cap = limit - min(4096, limit // 10)  # room for the request's framing
+        batch: list[PendingGroup] = []
+        size = 0
+        for item in due:
+            if len(item.payload) > cap:
+                self._dead_letter(item, cap)
+                continue
+            if batch and size + len(item.payload) > cap:
+                break
+            batch.append(item)
+            size += len(item.payload)
+        if not batch:
+            return len(due)
+        try:
+            reply = await self._timed_submit(
+                [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
+            )
+        except (grpc.aio.AioRpcError, EndpointNotFound) as e:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # the server refused the request whole: every group in it is invalid. With
+                # several groups, resend them one by one next time to tell which.
+                if len(batch) == 1:
+                    self._record_ack(batch[0], "invalid", f"invalid: {e.details()}")
+                else:
+                    self._batch = 1
+                    for item in batch:
+                        self.spool.defer(item.id, 0.0)
+                return len(batch)
+            log.warning("submit of %d groups failed: %s; will resend", len(batch), short_error(e))
+            for item in batch:
+                self.spool.defer(item.id, self._resend_delay(item.attempts))
+            if self._link_down_since is None:
+                self._link_down_since = time.monotonic()
+            return len(batch)
+        if self._link_down_since is not None:
+            # the link is back: everything deferred goes now, not after its backoff
+            resent = self.spool.retry_now()
+            log.info(
+                "server reachable again after %.1fs; resending %d deferred groups now",
+                time.monotonic() - self._link_down_since, resent,
+            )
+            self._link_down_since = None
+        acks = {a.group_id: a for a in reply.acks}
+        for item in batch:
+            ack = acks.get(item.id)
+            outcome = ACK_OUTCOME.get(ack.code) if ack is not None else None
+            if ack is None or outcome is None:
+                self.spool.defer(item.id, self._resend_delay(item.attempts))
+                continue
+            self._record_ack(item, outcome, ack.reason)
+        return len(batch)
+
+    def _dead_letter(self, item: PendingGroup, cap: int) -> None:
+        """A group larger than the server takes can never be delivered: give it up, loudly."""
+        group = pb.TrajectoryGroup.FromString(item.payload)
+        error = f"group is {len(item.payload)} bytes; the server takes at most {cap}"
+        self.spool.dead_letter(item.id, [t.id for t in group.trajectories], error)
+        self.stats.drop("dead-letter", len(group.trajectories))
+        self.metrics.dropped.labels(reason="dead-letter").inc(len(group.trajectories))
+
+    async def _timed_submit(self, groups: list[pb.TrajectoryGroup]) -> pb.SubmitReply:
+        """`transport.submit`, noting when it started (the status's liveness check)."""
+        self._submit_since = time.monotonic()
+        try:
+            return await self.transport.submit(groups)
+        finally:
+            self._submit_since = None
+
+    def _record_ack(self, item: PendingGroup, outcome: Outcome, reason: str) -> None:
+        self.spool.ack(item.id, outcome, reason)
+        self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
+        if outcome in ("stale", "invalid", "revision"):
+            log.warning("group %s %s: %s", item.id, outcome, reason)
+        if outcome == "revision":
+            self._on_revision_refused()  # nothing more to do here
+
+    def _probe_due(self) -> bool:
+        """While the link is down, send the oldest deferred group every `probe_s` (a probe):
+        the first one that gets through makes everything else due at once."""
+        if self._link_down_since is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_probe < self.opts.probe_s:
+            return False
+        self._last_probe = now
+        return self.spool.retry_now(limit=1) > 0
+
+    def _resend_delay(self, attempts: int) -> float:
+        cap = min(self.opts.resend_max_s, self.opts.resend_base_s * 2**attempts)
+        return random.uniform(cap / 2, cap)
+
+
+def short_error(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}"

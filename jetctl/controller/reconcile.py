@@ -1,0 +1,432 @@
+"""Reconcile: start the desired nodes through their runtimes and keep them running.
+
+`Reconciler.tick()` runs about once a second in the controller's main loop: a node that died
+is restarted after its backoff (doubling up to `run.restart_backoff_max_s`, reset once it
+stayed up `stable_s`); a server is `running` once it answers gRPC health and wrote
+`servers/<model>.json`; a task's clients start once their model's server was ready once.
+`probe_loop` (its own thread) asks each server for health and `Status`. `drain_nodes` is the
+SIGTERM-wait-SIGKILL that `down`, the end of a run and a swap share.
+
+Servers run on the process runtime; each task's clients run on its `runtime:` (process, or
+docker: one container per node, see runtimes/docker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from jetctl.controller.runtimes.base import ContainerSpec, NodeHandle, NodeKind, NodeSpec, Runtime
+from jetctl.controller.service import ServerProbe
+from jetctl.controller.state import (
+    FIRST_REVISION,
+    Node,
+    RunState,
+    TaskRevision,
+    client_node_name,
+    server_node_name,
+)
+from jetctl.net import connect_host, free_port
+from jetctl.rundir import TOKEN_ENV, RunDirError, RunPaths, read_json
+
+log = logging.getLogger("jetctl.controller")
+
+# the commands inside a client image (images/base/Dockerfile puts jetctl on PATH)
+CONTAINER_PREFIX = ("jetctl",)
+DEFAULT_IMAGE = "jetctl-base"
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    tick_s: float = 1.0  # reconcile period
+    grace_s: float = 30.0  # default drain time per phase (clients, then servers)
+    stable_s: float = 60.0  # a node up this long gets its restart backoff reset
+    plot_every_s: float = 30.0  # reward curve refresh period during the run
+    probe_s: float = 1.0  # server Status poll period
+    probe_timeout_s: float = 1.0
+
+
+class CommandBuilder(Protocol):
+    """Builds the argv of each node; tests swap in fake nodes here."""
+
+    def server(self, model: str, port: int, metrics_port: int | None) -> list[str]: ...
+
+    def client(
+        self, task: str, index: int, revision: str, name: str | None = None,
+        agent: str | None = None,
+    ) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class JetctlCommands:
+    """`jetctl server` / `jetctl client` (docs/CONTRACTS.md), run by this Python without PATH."""
+
+    recipe: Path
+    run_dir: Path
+    prefix: tuple[str, ...] = (sys.executable, "-m", "jetctl.cli.main")
+
+    def server(self, model: str, port: int, metrics_port: int | None) -> list[str]:
+        argv = [*self.prefix, "server", "--recipe", str(self.recipe), "--model", model]
+        argv += ["--run-dir", str(self.run_dir), "--port", str(port)]
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
+        return argv
+
+    def client(
+        self, task: str, index: int, revision: str, name: str | None = None,
+        agent: str | None = None,
+    ) -> list[str]:
+        argv = [*self.prefix, "client", "--recipe", str(self.recipe), "--task", task]
+        argv += ["--index", str(index), "--run-dir", str(self.run_dir), "--revision", revision]
+        if name is not None:
+            argv += ["--name", name]
+        if agent is not None:
+            argv += ["--agent", agent]
+        return argv
+
+
+class Reconciler:
+    """Starts, restarts, adopts and drains the nodes of `state` through the runtimes."""
+
+    def __init__(
+        self,
+        state: RunState,
+        *,
+        runtime: Runtime,
+        runtimes: Mapping[str, Runtime],
+        commands: CommandBuilder,
+        container_commands: CommandBuilder,
+        options: ControllerOptions,
+        kill_now: threading.Event,
+    ) -> None:
+        self.state = state
+        self.recipe = state.recipe
+        self.paths: RunPaths = state.paths
+        self.runtime = runtime
+        # servers and process tasks run on `runtime`; docker tasks on runtimes["docker"],
+        # made in open_runtimes() when a task asks for it and none was given
+        self.runtimes: dict[str, Runtime] = {"process": runtime, **runtimes}
+        self.commands = commands
+        self.container_commands = container_commands
+        self.opts = options
+        self.token = ""  # set by the controller's setup, before anything starts
+        self._kill_now = kill_now
+        self._probes: dict[str, ServerProbe] = {}
+
+    # -- runtimes -------------------------------------------------------------------------
+
+    def open_runtimes(self) -> None:
+        """Make the docker runtime when a task needs it and check its images are built."""
+        docker_tasks = [t for t, c in self.recipe.tasks.items() if c.runtime == "docker"]
+        if not docker_tasks:
+            return
+        from jetctl.controller.runtimes.docker import DockerRuntime, RuntimeUnavailable
+
+        try:
+            if "docker" not in self.runtimes:
+                self.runtimes["docker"] = DockerRuntime(self.paths.root)
+            rt = self.runtimes["docker"]
+            check = getattr(rt, "check_image", None)
+            if check is not None:
+                images = {self.image(t, self.state.revisions[t]) for t in docker_tasks}
+                for image in sorted(images):
+                    check(image)
+        except RuntimeUnavailable as e:
+            tasks = ", ".join(docker_tasks)
+            raise RunDirError(f"tasks {tasks} use runtime: docker, but {e}") from None
+
+    def image(self, task: str, rev: TaskRevision) -> str:
+        return rev.image or self.recipe.tasks[task].image or DEFAULT_IMAGE
+
+    def rt(self, handle: NodeHandle) -> Runtime:
+        """The runtime that runs `handle` (containers: docker; the rest: the process one)."""
+        if handle.container_id and "docker" in self.runtimes:
+            return self.runtimes["docker"]
+        return self.runtime
+
+    def list_running(self) -> list[NodeHandle]:
+        """Nodes an earlier controller of this run left running (exited containers pruned)."""
+        found: list[NodeHandle] = []
+        for rt in self.runtimes.values():
+            rt.prune(self.recipe.run.name)
+            found += rt.list(self.recipe.run.name)
+        return found
+
+    def prune(self) -> None:
+        for rt in self.runtimes.values():
+            rt.prune(self.recipe.run.name)
+
+    # -- desired state --------------------------------------------------------------------
+
+    def build_nodes(self, prior_ports: dict[str, int]) -> None:
+        """One server per model (on its recipe port, else the one it had, else a free one)
+        and `clients` nodes per task at the task's current revision."""
+        run = self.recipe.run
+        nodes = self.state.nodes
+        for model, mcfg in self.recipe.models.items():
+            port = mcfg.port or prior_ports.get(model) or free_port(mcfg.host)
+            node = Node(
+                name=server_node_name(model),
+                kind="server",
+                model=model,
+                port=port,
+                endpoint=f"{connect_host(mcfg.host)}:{port}",
+                backoff_s=run.restart_backoff_s,
+                labels={"jetctl.run": run.name, "jetctl.kind": "server", "jetctl.model": model},
+            )
+            nodes[node.name] = node
+        for task, tcfg in self.recipe.tasks.items():
+            for i in range(tcfg.clients):
+                node = self.client_node(task, i, self.state.revisions[task])
+                nodes[node.name] = node
+
+    def client_node(self, task: str, index: int, rev: TaskRevision) -> Node:
+        tcfg = self.recipe.tasks[task]
+        node = Node(
+            name=client_node_name(task, index, rev.revision),
+            kind="client",
+            model=tcfg.model,
+            task=task,
+            index=index,
+            revision=rev.revision,
+            backoff_s=self.recipe.run.restart_backoff_s,
+            runtime=tcfg.runtime,
+            agent=rev.agent,
+            image=self.image(task, rev) if tcfg.runtime == "docker" else None,
+        )
+        node.labels = {
+            "jetctl.run": self.recipe.run.name,
+            "jetctl.kind": "client",
+            "jetctl.task": node.task,
+            "jetctl.revision": node.revision,
+        }
+        return node
+
+    def adopt(self, handles: Sequence[NodeHandle]) -> None:
+        """Take over running nodes the recipe still asks for; stop the others."""
+        extras: list[NodeHandle] = []
+        now = time.monotonic()
+        for h in handles:
+            node = self.state.nodes.get(h.spec.name)
+            if node is None or node.kind != h.spec.kind:
+                extras.append(h)
+                continue
+            node.handle, node.last_pid, node.up_since = h, h.pid or 0, now
+            node.revision = h.spec.revision
+            node.state = "starting" if node.kind == "server" else "running"
+            log.info("adopted %s (pid %s)", node.name, h.pid)
+        if extras:
+            log.info("stopping nodes the recipe no longer asks for: %s", [h.spec.name for h in extras])
+            for rt in self.runtimes.values():
+                mine = [h for h in extras if self.rt(h) is rt]
+                rt.stop_all(mine, self.opts.grace_s)
+                for h in mine:
+                    rt.release(h)
+
+    def spec(self, node: Node) -> NodeSpec:
+        if node.kind == "server":
+            mcfg = self.recipe.models[node.model]
+            argv = self.commands.server(node.model, node.port, mcfg.metrics_port or None)
+        else:
+            commands = self.container_commands if node.runtime == "docker" else self.commands
+            name = None if node.revision == FIRST_REVISION else node.name
+            argv = commands.client(node.task, node.index, node.revision, name, node.agent)
+        return NodeSpec(
+            name=node.name,
+            kind=node.kind,
+            argv=argv,
+            log_path=self.paths.log(node.name),
+            model=node.model,
+            task=node.task,
+            index=node.index,
+            revision=node.revision,
+            env={TOKEN_ENV: self.token},
+            labels=dict(node.labels),
+            container=self.container_spec(node) if node.runtime == "docker" else None,
+        )
+
+    def container_spec(self, node: Node) -> ContainerSpec:
+        res = self.recipe.tasks[node.task].resources
+        mounts: list[tuple[Path, bool]] = [(self.state.recipe_path, True)]
+        tls = self.state.tls
+        if tls is not None and not tls.dir.resolve().is_relative_to(self.paths.root):
+            mounts.append((tls.dir.resolve(), True))
+        return ContainerSpec(
+            image=node.image or DEFAULT_IMAGE,
+            cpus=res.cpus,
+            memory=res.memory,
+            pids=res.pids,
+            shm=res.shm,
+            mounts=tuple(mounts),
+            docker_socket=self.recipe.tasks[node.task].docker_socket,
+        )
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass: notice exits and readiness, start what is due."""
+        now = time.monotonic()
+        with self.state.lock:
+            for node in self.state.nodes.values():
+                if node.handle is not None and node.state in ("starting", "running"):
+                    st = self.rt(node.handle).poll(node.handle)
+                    if not st.running:
+                        self._on_exit(node, st.exit_code, now)
+                    elif node.state == "starting" and self._ready(node):
+                        node.state = "running"
+                        if node.kind == "server":
+                            self.state.ever_ready.add(node.model)
+                            srv = read_json(self.paths.server_file(node.model)) or {}
+                            node.metrics = str(srv.get("metrics", ""))
+                        log.info("%s is up (pid %s)", node.name, node.last_pid)
+                elif node.state == "restarting" and now >= node.next_start_at:
+                    self._start(node, restart=True)
+                elif node.state == "pending" and (
+                    node.kind == "server" or node.model in self.state.ever_ready
+                ):
+                    self._start(node, restart=False)
+
+    def _ready(self, node: Node) -> bool:
+        if node.kind == "client":
+            return True
+        return (
+            self.state.healthy.get(node.model, False)
+            and self.paths.server_file(node.model).is_file()
+        )
+
+    def _start(self, node: Node, restart: bool) -> None:
+        if restart:
+            node.restarts += 1
+        if node.kind == "server":
+            self.state.healthy[node.model] = False
+            self.paths.server_file(node.model).unlink(missing_ok=True)
+        try:
+            handle = self.runtimes[node.runtime].start(self.spec(node))
+        except OSError as e:
+            log.error("could not start %s: %s", node.name, e)
+            self._schedule_restart(node, time.monotonic())
+            return
+        node.handle, node.last_pid = handle, handle.pid or 0
+        node.state, node.up_since, node.exit_code = "starting", time.monotonic(), None
+        verb = f"restarted (restart {node.restarts})" if restart else "started"
+        log.info("%s %s, pid %s", node.name, verb, handle.pid)
+
+    def _on_exit(self, node: Node, code: int | None, now: float) -> None:
+        assert node.handle is not None
+        self.rt(node.handle).release(node.handle)
+        node.handle, node.exit_code = None, code
+        if node.kind == "server":
+            self.state.healthy[node.model] = False
+            if code == 0 and self.state.reached_max_steps(node.model):
+                node.state = "exited"
+                log.info("%s finished training and exited", node.name)
+                return
+        if now - node.up_since >= self.opts.stable_s:
+            node.backoff_s = self.recipe.run.restart_backoff_s
+        self._schedule_restart(node, now)
+        log.warning(
+            "%s exited (code %s) after %.1fs; restarting in %.1fs",
+            node.name, code, now - node.up_since, node.next_start_at - now,
+        )
+
+    def _schedule_restart(self, node: Node, now: float) -> None:
+        node.next_start_at = now + node.backoff_s
+        node.backoff_s = min(node.backoff_s * 2, self.recipe.run.restart_backoff_max_s)
+        node.state = "restarting"
+
+    # -- drain ----------------------------------------------------------------------------
+
+    def drain(self, kind: NodeKind, grace_s: float) -> None:
+        """SIGTERM every node of `kind`, wait up to `grace_s` (or a kill request), SIGKILL the rest."""
+        with self.state.lock:
+            nodes = [n for n in self.state.nodes.values() if n.kind == kind]
+        self.drain_nodes(nodes, grace_s, kind)
+
+    def drain_nodes(self, nodes: Sequence[Node], grace_s: float, what: str) -> None:
+        """SIGTERM `nodes`, wait up to `grace_s` (or a kill request), SIGKILL the rest.
+        A node another thread finished meanwhile (handle None) is skipped."""
+        lock = self.state.lock
+        with lock:
+            live = [n for n in nodes if n.handle is not None]
+            for n in nodes:
+                if n.handle is None:
+                    n.state = "exited"
+            for n in live:
+                assert n.handle is not None
+                rt = self.rt(n.handle)
+                if rt.poll(n.handle).running:
+                    rt.terminate(n.handle)
+                n.state = "draining"
+        if live:
+            log.info("draining %d %s node(s), grace %.0fs", len(live), what, grace_s)
+        deadline = time.monotonic() + grace_s
+        while live:
+            with lock:
+                for n in list(live):
+                    if n.handle is None:
+                        live.remove(n)
+                        continue
+                    st = self.rt(n.handle).poll(n.handle)
+                    if not st.running:
+                        self._finish_node(n, st.exit_code)
+                        live.remove(n)
+            if not live:
+                break
+            if time.monotonic() >= deadline or self._kill_now.is_set():
+                with lock:
+                    for n in live:
+                        if n.handle is None:
+                            continue
+                        log.warning("%s did not drain in time: SIGKILL", n.name)
+                        rt = self.rt(n.handle)
+                        rt.kill(n.handle)
+                        self._finish_node(n, rt.poll(n.handle).exit_code)
+                break
+            time.sleep(0.1)
+
+    def _finish_node(self, node: Node, code: int | None) -> None:
+        assert node.handle is not None
+        self.rt(node.handle).release(node.handle)
+        node.handle, node.exit_code, node.state = None, code, "exited"
+        log.info("%s exited (code %s)", node.name, code)
+
+    # -- probing the servers --------------------------------------------------------------
+
+    def probe_loop(self, done: threading.Event) -> None:
+        """Until `done`: health of each starting server, `Status` of each ready one."""
+        while not done.is_set():
+            with self.state.lock:
+                targets = [
+                    (n.model, n.state, n.endpoint)
+                    for n in self.state.nodes.values()
+                    if n.kind == "server" and n.handle is not None
+                ]
+            for model, state, endpoint in targets:
+                probe = self._probes.get(endpoint)
+                if probe is None:
+                    probe = ServerProbe(
+                        endpoint, self.token, self.opts.probe_timeout_s, tls=self.state.tls
+                    )
+                    self._probes[endpoint] = probe
+                if state == "starting":
+                    ok = probe.healthy()
+                    with self.state.lock:
+                        self.state.healthy[model] = ok
+                    if not ok:
+                        continue
+                status = probe.status()
+                if status is not None:
+                    with self.state.lock:
+                        self.state.server_status[model] = status
+            starting = any(state == "starting" for _, state, _ in targets)
+            done.wait(min(0.25, self.opts.probe_s) if starting else self.opts.probe_s)
+
+    def close_probes(self) -> None:
+        for p in self._probes.values():
+            p.close()
