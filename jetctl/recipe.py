@@ -274,9 +274,17 @@ class ModelConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(default=1.0, ge=0, description="sampling temperature of rollouts")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling mass")
-    max_tokens: int = Field(default=128, ge=1, description="most tokens one model call generates")
+    """Defaults for the knobs an agent's request leaves out; a value the request sets wins."""
+
+    temperature: float = Field(
+        default=1.0, ge=0, description="temperature of a request that does not set one"
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="nucleus mass of a request that does not set one"
+    )
+    max_tokens: int = Field(
+        default=128, ge=1, description="max_tokens of a request that does not set one"
+    )
 
 
 _ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -346,7 +354,10 @@ class TaskConfig(_Strict):
         description="server: generate on the model's server; local: on the client with "
         "weights pulled from the server",
     )
-    sampling: SamplingConfig = Field(default=SamplingConfig(), description="sampling of rollouts")
+    sampling: SamplingConfig = Field(
+        default=SamplingConfig(),
+        description="sampling defaults of the agent's requests (the agent's own values win)",
+    )
     spool_max_bytes: int = Field(
         default=512 * 1024 * 1024,
         ge=1024,

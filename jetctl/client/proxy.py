@@ -268,9 +268,7 @@ class Proxy:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ProxyError(400, "tools must be a list", param="tools")
-        name = body.get("model")
-        served = self.models.get(name) if isinstance(name, str) else None
-        served = served or self.models[self.default_model]  # unknown names go to the task's model
+        served = self._served(body.get("model"))
 
         try:
             plan = served.renderer.prompt_ids(timeline, messages, tools)
@@ -364,6 +362,22 @@ class Proxy:
                 "total_tokens": len(plan.ids) + len(ids),
             },
         }
+
+    def _served(self, name: Any) -> ServedModel:
+        """The model a request names (none named: the task's model); another name is a 400,
+        never a silent switch: the server of that name would train on the call."""
+        if name is None:
+            return self.models[self.default_model]
+        served = self.models.get(name) if isinstance(name, str) else None
+        if served is None:
+            raise ProxyError(
+                400,
+                f"model {name!r} is not served on this node; known models: "
+                f"{', '.join(sorted(self.models))}",
+                code="model_not_found",
+                param="model",
+            )
+        return served
 
     def _params(
         self, body: dict[str, Any], prompt_ids: list[int], room: int, served: ServedModel

@@ -251,6 +251,28 @@ async def async_agent(task: Task, llm: LLM, session: EchoSession) -> None:
     session.submit(reply.choices[0].message.content or "")
 
 
+def bare_agent(task: Task, llm: LLM, session: EchoSession) -> None:
+    """One call that leaves every sampling knob out: the recipe's `sampling:` fills them."""
+    reply = llm.client().chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task.prompt}]
+    )
+    session.submit(reply.choices[0].message.content or "")
+
+
+def overlap_agent(task: Task, llm: LLM, session: EchoSession) -> None:
+    """Holds its rollout open for 1.5 s and records how many rollouts were running with it
+    (`running-*` marker files in the workdir; the peak goes to a `peak-*` file)."""
+    me = Path(session.workdir, f"running-{os.getpid()}-{time.monotonic_ns()}")
+    me.touch()
+    try:
+        time.sleep(1.5)
+        running = len(list(Path(session.workdir).glob("running-*")))
+        Path(session.workdir, f"peak-{me.name}").write_text(str(running))
+    finally:
+        me.unlink()
+    session.submit("0")
+
+
 def crash_once_agent(task: Task, llm: LLM, session: EchoSession) -> None:
     """Calls the model; the first rollout to get here (across the test) then crashes."""
     reply = llm.client().chat.completions.create(

@@ -277,3 +277,43 @@ async def test_backpressure_stops_new_rollouts_and_keeps_unacked_groups(
     spool = Spool(tmp_path / "spool" / "t-0.sqlite")
     assert spool.depth() == spooled and spool.bytes() > 1024  # un-acked groups kept, none lost
     assert status_file(tmp_path)["server_reachable"] is False
+
+
+@pytest.mark.timeout(120)
+async def test_the_tasks_sampling_and_seed_reach_the_model(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    """`sampling:` fills the knobs a request leaves out; `seed` (+ the node's index) seeds
+    the env's task stream."""
+    import collections
+    import random
+
+    fake = FakeSwarm(tokenizer, tokenizer_files, reply_text=digit_reply(tokenizer))
+    await run_node(
+        tmp_path, fake, 3, agent=f"{FAKES}:bare_agent", group_size=2, concurrency=2, seed=5,
+        sampling={"temperature": 0.5, "top_p": 0.8, "max_tokens": 3},
+    )
+    assert len(fake.generate_calls) == 6
+    for req in fake.generate_calls:
+        assert (req.temperature, req.top_p, req.max_tokens) == (
+            pytest.approx(0.5), pytest.approx(0.8), 3
+        )
+    rng = random.Random(5)  # the echo env draws one digit per task
+    drawn = [f"echo-{rng.randrange(10)}" for _ in range(3)]
+    stored = [g.task_id for g in fake.stored.values()]
+    assert collections.Counter(stored) == collections.Counter(drawn)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("concurrency", [2, 4])
+async def test_concurrency_bounds_the_rollouts_running_at_once(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path, concurrency: int
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    await run_node(
+        tmp_path, fake, 4, agent=f"{FAKES}:overlap_agent", env_args={"workdir": str(tmp_path)},
+        group_size=2, concurrency=concurrency,
+    )
+    peaks = [int(p.read_text()) for p in tmp_path.glob("peak-*")]
+    assert len(peaks) == 8
+    assert max(peaks) == concurrency  # groups queue for the slots; never more run at once

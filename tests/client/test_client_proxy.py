@@ -52,7 +52,7 @@ async def test_sync_client_two_turns_reuse_ids(stack: tuple[FakeSwarm, Proxy]) -
         messages: list[Any] = [{"role": "user", "content": "Reply with the digit 7."}]
         first = client.chat.completions.create(model="policy", messages=messages)
         messages += [first.choices[0].message, {"role": "user", "content": "Again."}]
-        second = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=3)
+        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
         return first, second
 
     first, second = await asyncio.to_thread(agent)
@@ -121,6 +121,12 @@ async def test_errors_are_openai_errors(stack: tuple[FakeSwarm, Proxy]) -> None:
         )
     models = await client.models.list()
     assert [m.id for m in models.data] == ["policy"]
+    # a model this node does not serve is an error naming the ones it does, not a silent
+    # switch to the task's model (whose server would then train on the call)
+    with pytest.raises(openai.BadRequestError, match="'gpt-4o' is not served.*known models: policy"):
+        await client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+        )
     # the context limit clamps max_tokens
     await client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "7 " * 100}], max_tokens=500

@@ -6,13 +6,12 @@ Each test talks gRPC to the real process; no mocks. The server is started once p
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
@@ -164,13 +163,36 @@ def test_trains_and_versions_rise(server: tuple[str, Path]) -> None:
                                       metadata=bearer(TOKEN), timeout=30))
 
 
+def train_until(s: swarm_pb2_grpc.SwarmStub, version: int, timeout_s: float = 90) -> int:
+    """Submit informative groups made by the current weights until the server reaches
+    `version`; returns the version reached."""
+    deadline = time.monotonic() + timeout_s
+    current = s.Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=10).model_version
+    while current < version:
+        assert time.monotonic() < deadline, f"version stuck at {current}"
+        g = rollout_group(s, [0.0, 1.0, 0.5, 0.0])
+        s.Submit(pb.SubmitRequest(groups=[group_to_pb(g)]), metadata=bearer(TOKEN), timeout=10)
+        time.sleep(0.2)
+        current = s.Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=10).model_version
+    return current
+
+
 def test_stale_group_is_refused(server: tuple[str, Path]) -> None:
     s = stub(server[0])
-    version = s.Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=10).model_version
-    assert version >= 3, "runs after test_trains_and_versions_rise"
+    version = train_until(s, 3)  # max_staleness is 2 (recipes/tiny.yaml)
     g = rollout_group(s, [0.0, 1.0])
     for t in g.trajectories:
         for c in t.calls:
-            c.model_version = 0
+            c.model_version = version - 3
     reply = s.Submit(pb.SubmitRequest(groups=[group_to_pb(g)]), metadata=bearer(TOKEN), timeout=10)
     assert reply.acks[0].code == pb.Ack.STALE and "lag" in reply.acks[0].reason
+
+
+def test_generate_for_a_model_not_served_here_is_refused(server: tuple[str, Path]) -> None:
+    s = stub(server[0])
+    with pytest.raises(grpc.RpcError) as e:
+        s.Generate(pb.GenerateRequest(model="planner", prompt_ids=[1, 2, 3], max_tokens=4),
+                   metadata=bearer(TOKEN), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'planner' is not served here" in e.value.details()
+    assert "'policy'" in e.value.details()

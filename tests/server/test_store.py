@@ -65,7 +65,7 @@ def test_trained_after_checkpoint_goes_back_to_buffer(tmp_path: Path) -> None:
     store.close()
 
 
-def _put_and_die(path: str, conn: "multiprocessing.connection.Connection") -> None:
+def _put_and_die(path: str, conn: multiprocessing.connection.Connection) -> None:
     g = make_group()
     store = _open(Path(path))
     store.put(g, group_to_pb(g).SerializeToString()).result(5)

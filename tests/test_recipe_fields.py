@@ -1,0 +1,663 @@
+"""Every field of the recipe schema does what it says, or is refused: one row per field.
+
+`ROWS` maps each leaf field of `jetctl/recipe.py` (as `reference_fields()` names it) to how
+its effect is shown:
+
+* `Effect(check)`: `check` sets the field to a value other than its default, runs the code
+  that reads it, and asserts what a user would see change (a cheap check, here);
+* `CoveredBy(tests)`: tests elsewhere set the field and assert its effect (they need real
+  processes, a docker engine or a browser); the row checks that each named test exists and
+  that its file sets the field.
+
+A refused value (e.g. `engine: vllm` where vllm is not importable) is part of a field's row.
+`test_every_field_has_a_row` fails on a schema field without a row, so a new field cannot
+be silently ignored: give it an effect, or refuse it in the schema until it has one.
+"""
+
+from __future__ import annotations
+
+import ast
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from jetctl.recipe import (
+    LoraConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RecipeError,
+    TrainConfig,
+    parse_recipe,
+    reference_fields,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GOOD: dict[str, Any] = {
+    "run": {"name": "t"},
+    "models": {"policy": {"model": "builtin:tiny"}},
+    "tasks": {"digits": {"env": "envs.digits:make_env", "agent": "agents.digits:agent",
+                         "model": "policy"}},
+}
+
+
+@dataclass(frozen=True)
+class Effect:
+    check: Callable[[Path], None]
+    integration: bool = False  # starts processes
+
+
+@dataclass(frozen=True)
+class CoveredBy:
+    tests: tuple[str, ...]  # "tests/file.py::test_name"
+
+
+def recipe(**parts: Any) -> Any:
+    """GOOD with `parts` merged in: recipe(models={"policy": {"seed": 3}})."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    for key, value in parts.items():
+        if key == "run":
+            data["run"].update(value)
+        else:  # models / tasks: one mapping of fields per name
+            for name, fields in value.items():
+                data[key].setdefault(name, {}).update(fields)
+    return parse_recipe(yaml.safe_dump(data), file="r.yaml", env={})
+
+
+def refused(message: str, **parts: Any) -> None:
+    with pytest.raises(RecipeError) as caught:
+        recipe(**parts)
+    assert message in caught.value.render(), caught.value.render()
+
+
+def tiny(**fields: Any) -> ModelConfig:
+    return ModelConfig(model="builtin:tiny", **fields)
+
+
+def load(cfg: ModelConfig) -> Any:
+    from jetctl.server.trainer import load_trainable
+
+    model, _ = load_trainable(cfg, attn_implementation="sdpa")
+    return model
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run_name(_: Path) -> None:
+    assert recipe(run={"name": "exp7"}).run_dir == "runs/exp7"
+
+
+def run_dir(_: Path) -> None:
+    assert recipe(run={"name": "exp7", "dir": "/data/runs/x"}).run_dir == "/data/runs/x"
+
+
+@pytest.fixture
+def no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JETCTL_TOKEN", raising=False)
+
+
+def controller_sees(tmp_path: Path, run: dict[str, Any], model: dict[str, Any]) -> None:
+    """A controller with fake nodes: the recipe's token, ports and metrics port reach the
+    run directory and the server's command line."""
+    import psutil
+
+    from jetctl.controller.controller import Controller
+    from tests.controller.controller_fakes import (
+        FAST,
+        Running,
+        fake_commands,
+        read_run_json,
+        recipe_dict,
+        wait_for,
+        write_recipe,
+    )
+
+    data = recipe_dict(clients=0, **run)
+    data["models"]["policy"].update(model)
+    rec, path = write_recipe(tmp_path, data)
+    rd = tmp_path / "runs" / "t"
+    ctl = Controller(rec, path, run_dir=rd, commands=fake_commands(path, rd), options=FAST)
+    running = Running(ctl).start()
+    try:
+        info = wait_for(lambda: (read_run_json(rd).get("servers") or {}).get("policy", {}).get("pid")
+                        and read_run_json(rd), what="the server in run.json")
+        assert (rd / "token").read_text().strip() == run["token"]
+        server = info["servers"]["policy"]
+        assert server["endpoint"].endswith(f":{model['port']}")
+        argv = psutil.Process(int(server["pid"])).cmdline()
+        assert argv[argv.index("--port") + 1] == str(model["port"])
+        assert argv[argv.index("--metrics-port") + 1] == str(model["metrics_port"])
+    finally:
+        running.stop(grace_s=2.0)
+
+
+def restart_backoff(tmp_path: Path) -> None:
+    """Kill a client three times: the controller plans its restarts after restart_backoff_s,
+    doubling up to restart_backoff_max_s (read from the plan it logs, not from timing)."""
+    import logging
+    import os
+    import re
+    import signal
+
+    from jetctl.controller.controller import Controller
+    from tests.controller.controller_fakes import (
+        FAST,
+        Running,
+        fake_commands,
+        node_states,
+        recipe_dict,
+        wait_for,
+        write_recipe,
+    )
+
+    data = recipe_dict(clients=1, restart_backoff_s=0.3, restart_backoff_max_s=0.5)
+    rec, path = write_recipe(tmp_path, data)
+    rd = tmp_path / "runs" / "t"
+    planned: list[float] = []
+
+    class Plans(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found = re.search(r"arith-0 exited .* restarting in ([0-9.]+)s", record.getMessage())
+            if found:
+                planned.append(float(found.group(1)))
+
+    handler = Plans()
+    logger = logging.getLogger("jetctl.controller")
+    logger.addHandler(handler)
+    ctl = Controller(rec, path, run_dir=rd, commands=fake_commands(path, rd), options=FAST)
+    running = Running(ctl).start()
+    try:
+        for n in range(1, 4):
+            wait_for(lambda: node_states(ctl).get("arith-0") == "running", what="arith-0 up")
+            pid = next(x.pid for x in ctl.status().nodes if x.name == "arith-0")
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda n=n: len(planned) == n, what=f"restart {n} planned")
+    finally:
+        running.stop(grace_s=2.0)
+        logger.removeHandler(handler)
+    assert planned == [0.3, 0.5, 0.5], planned  # uncapped: 0.3, 0.6, 1.2
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_token_and_ports(tmp_path: Path) -> None:
+    port, metrics = free_ports(2)
+    controller_sees(tmp_path, {"token": "recipe-token-123"},
+                    {"port": port, "metrics_port": metrics})
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_source(_: Path) -> None:
+    assert load(tiny(finetune="full")).config.hidden_size == 64  # builtin:tiny's width
+
+
+def model_device(_: Path) -> None:
+    # no accelerator here: the meta device shows the weights go where `device` says
+    model = load(tiny(finetune="full", device="meta"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def model_dtype(_: Path) -> None:
+    assert {p.dtype for p in load(tiny(finetune="full", dtype="bfloat16")).parameters()} == {
+        torch.bfloat16
+    }
+
+
+def model_finetune(_: Path) -> None:
+    lora = load(tiny(finetune="lora"))
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    full = load(tiny(finetune="full"))
+    assert all(p.requires_grad for p in full.parameters())
+
+
+def lora_modules(model: Any) -> dict[str, Any]:
+    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and m.lora_A}
+
+
+def lora_r(_: Path) -> None:
+    layers = lora_modules(load(tiny(lora=LoraConfig(r=4))))
+    assert {m.lora_A["default"].weight.shape[0] for m in layers.values()} == {4}
+
+
+def lora_alpha(_: Path) -> None:
+    layers = lora_modules(load(tiny(lora=LoraConfig(r=4, alpha=12))))
+    assert {m.scaling["default"] for m in layers.values()} == {3.0}
+
+
+def lora_target_modules(_: Path) -> None:
+    layers = lora_modules(load(tiny(lora=LoraConfig(target_modules=["q_proj", "down_proj"]))))
+    assert {name.rsplit(".", 1)[-1] for name in layers} == {"q_proj", "down_proj"}
+
+
+def make_trainer(tmp_path: Path, cfg: ModelConfig) -> Any:
+    from tests.server.trainer_support import make_trainer as make
+
+    return make(tmp_path, cfg)
+
+
+def optimizer_hyperparameters(tmp_path: Path) -> None:
+    cfg = tiny(finetune="full", optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1,
+                                                          betas=(0.8, 0.95)))
+    group = make_trainer(tmp_path, cfg).optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (3e-3, 0.1, (0.8, 0.95))
+
+
+def optimizer_max_grad_norm(tmp_path: Path) -> None:
+    """Adam divides by the gradient's size, so a clip far below its epsilon stalls the step."""
+    from tests.server.trainer_support import same_weights, step, submit, weights
+
+    moved = {}
+    for norm in (1.0, 1e-14):
+        cfg = tiny(finetune="full", optimizer=OptimizerConfig(lr=1e-2, max_grad_norm=norm),
+                   train=TrainConfig(groups_per_step=1))
+        trainer = make_trainer(tmp_path / str(norm), cfg)
+        before = weights(trainer.model)
+        submit(trainer)
+        assert step(trainer) is not None
+        after = weights(trainer.model)
+        assert not same_weights(before, after)
+        moved[norm] = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert moved[1.0] > 1e-3 and moved[1e-14] < 1e-4
+
+
+def train_algorithm(_: Path) -> None:
+    assert recipe().models["policy"].train.algorithm == "grpo"
+    refused("must be one of 'grpo'", models={"policy": {"train": {"algorithm": "rloo"}}})
+
+
+def train_groups_per_step(tmp_path: Path) -> None:
+    from tests.server.trainer_support import step, submit
+
+    trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(groups_per_step=2)))
+    submit(trainer)
+    assert step(trainer) is None and trainer.store.buffer_depth == 1, "waits for a second group"
+    submit(trainer)
+    scalars = step(trainer)
+    assert scalars is not None and scalars["groups"] == 2
+
+
+def clip_fraction(clip_eps: float) -> float:
+    from jetctl.server import merge
+    from jetctl.server.trainer import accumulate_gradients
+    from tests.factories import make_group
+
+    model = load(tiny(finetune="full"))
+    g = make_group(prompt=(11, 12, 13), completion=(14, 15, 16, 17))
+    mbs = merge.pack(merge.timeline_sequences(g.trajectories[1], 1.0, "off"), "off", 8192)
+    with torch.no_grad():
+        now = merge.token_logprobs(model, mbs[0])
+    mbs[0].old_logprobs = now + 0.3  # the behaviour policy liked these tokens more: ratio 0.74
+    acc = accumulate_gradients(model, mbs, TrainConfig(clip_eps=clip_eps))
+    return acc.stats[0][1].clip_fraction
+
+
+def train_clip_eps(_: Path) -> None:
+    assert clip_fraction(0.2) == 1.0 and clip_fraction(0.5) == 0.0
+
+
+def train_merge(tmp_path: Path) -> None:
+    from tests.server.trainer_support import step, submit
+
+    packed = {}
+    for mode in ("off", "tree"):
+        trainer = make_trainer(tmp_path / mode, tiny(finetune="full", train=TrainConfig(
+            groups_per_step=1, merge=mode)))
+        submit(trainer, rewards=(0.0, 1.0, 0.5, 0.0))
+        scalars = step(trainer)
+        assert scalars is not None
+        packed[mode] = scalars["merge/tokens_packed"]
+    assert packed["tree"] < packed["off"], "tree packs the group's prompt once"
+
+
+def train_max_tokens_per_microbatch(tmp_path: Path) -> None:
+    from tests.server.trainer_support import step, submit
+
+    counts = {}
+    for budget in (8192, 64):
+        trainer = make_trainer(tmp_path / str(budget), tiny(finetune="full", train=TrainConfig(
+            groups_per_step=1, merge="off", max_tokens_per_microbatch=budget)))
+        submit(trainer, rewards=(0.0, 1.0) * 4)
+        scalars = step(trainer)
+        assert scalars is not None
+        counts[budget] = scalars["microbatches"]
+    assert counts == {8192: 1.0, 64: 2.0}  # 8 sequences of 9 tokens; 64 holds 7 of them
+
+
+def train_max_steps(tmp_path: Path) -> None:
+    from tests.server.trainer_support import step, submit
+
+    trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(
+        groups_per_step=1, max_steps=2)))
+    for _ in range(2):
+        assert not trainer.done
+        submit(trainer)
+        step(trainer)
+    assert trainer.version == 2 and trainer.done
+
+
+def generation_batch_wait_ms(tmp_path: Path) -> None:
+    from tests.server.test_engine_batching import batch_sizes_of_staggered_requests
+
+    assert batch_sizes_of_staggered_requests(batch_wait_ms=0.0)[0] == 1
+    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4]
+
+
+def model_seed(_: Path) -> None:
+    def lora_a(seed: int) -> torch.Tensor:
+        model = load(tiny(seed=seed))
+        return next(p for n, p in model.named_parameters() if "lora_A" in n).detach()
+
+    assert torch.equal(lora_a(3), lora_a(3)) and not torch.equal(lora_a(3), lora_a(4))
+
+
+# ------------------------------------------------------------------ a real server process
+
+
+@dataclass
+class Server:
+    endpoint: str
+    metrics_port: int
+    run_dir: Path
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`jetctl server` on builtin:tiny with non-default serving and wire settings."""
+    from jetctl.auth import write_token
+
+    rd = tmp_path_factory.mktemp("run")
+    write_token(rd / "token", "tok")
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["models"]["policy"].update({
+        "finetune": "full", "host": "localhost",
+        "generation": {"max_new_tokens": 3, "max_context_tokens": 40},
+        "limits": {"max_message_bytes": 3 * 1024 * 1024},
+        "train": {"max_staleness": 1},
+    })
+    data["tasks"]["digits"]["sampling"] = {"max_tokens": 3}
+    (rd / "recipe.yaml").write_text(yaml.safe_dump(data))
+    port, metrics_port = free_ports(2)
+    log = (rd / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetctl.cli.main", "server", "--recipe", str(rd / "recipe.yaml"),
+         "--model", "policy", "--run-dir", str(rd), "--port", str(port),
+         "--metrics-port", str(metrics_port)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+    )
+    endpoint = rd / "servers" / "policy.json"
+    deadline = time.monotonic() + 120
+    while not endpoint.exists():
+        assert proc.poll() is None, (rd / "server.log").read_text()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield Server(f"localhost:{port}", metrics_port, rd)
+    proc.terminate()
+    proc.wait(60)
+
+
+def stub(server: Server) -> Any:
+    from jetctl.proto._gen import swarm_pb2_grpc
+
+    return swarm_pb2_grpc.SwarmStub(grpc.insecure_channel(
+        server.endpoint, options=[("grpc.max_send_message_length", 64 << 20)]))
+
+
+def register(server: Server) -> Any:
+    from jetctl.auth import bearer
+    from jetctl.proto._gen import swarm_pb2 as pb
+
+    return stub(server).Register(pb.RegisterRequest(client_id="c", task="digits", model="policy"),
+                                 metadata=bearer("tok"), timeout=10)
+
+
+def generate(server: Server, prompt: list[int], max_tokens: int) -> Any:
+    from jetctl.auth import bearer
+    from jetctl.proto._gen import swarm_pb2 as pb
+
+    return stub(server).Generate(
+        pb.GenerateRequest(model="policy", prompt_ids=prompt, max_tokens=max_tokens,
+                           temperature=1.0),
+        metadata=bearer("tok"), timeout=30)
+
+
+def served_host(server: Server) -> None:
+    import json
+
+    info = json.loads((server.run_dir / "servers" / "policy.json").read_text())
+    assert info["endpoint"] == server.endpoint  # bound on models.policy.host: localhost
+
+
+def served_metrics_port(server: Server) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        assert b"jetctl_server" in r.read()
+
+
+def served_max_new_tokens(server: Server) -> None:
+    # a random tiny model almost never ends a reply within 3 tokens; it is cut at 3
+    assert all(len(generate(server, [5, 6, 7], 50).completion_ids) <= 3 for _ in range(3))
+
+
+def served_max_context_tokens(server: Server) -> None:
+    assert register(server).max_context_tokens == 40
+    with pytest.raises(grpc.RpcError) as e:
+        generate(server, list(range(5, 50)), 2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def served_max_message_bytes(server: Server) -> None:
+    from jetctl.auth import bearer
+    from jetctl.proto._gen import swarm_pb2 as pb
+
+    assert register(server).max_message_bytes == 3 * 1024 * 1024
+    big = pb.SubmitRequest()
+    big.groups.add().id = "x" * (4 * 1024 * 1024)
+    with pytest.raises(grpc.RpcError) as e:
+        stub(server).Submit(big, metadata=bearer("tok"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def served_max_staleness(server: Server) -> None:
+    assert register(server).max_staleness == 1
+
+
+@dataclass(frozen=True)
+class Served:
+    check: Callable[[Server], None]
+
+
+# --------------------------------------------------------------------------- the table
+
+Row = Effect | CoveredBy | Served
+
+CONTROLLER = "tests/controller/test_controller.py"
+DOCKER = "tests/controller/test_docker_runtime.py"
+NODE = "tests/client/test_client_node.py"
+TRAINER = "tests/server/test_trainer.py"
+
+ROWS: dict[str, Row] = {
+    "run.name": Effect(run_name),
+    "run.dir": Effect(run_dir),
+    "run.token": Effect(run_token_and_ports, integration=True),
+    "run.tls.mode": CoveredBy(("tests/security/test_up_mtls.py::test_up_status_down_over_mtls",
+                               "tests/security/test_tls.py::test_control_service_over_tls")),
+    "run.tls.cert_dir": CoveredBy(
+        ("tests/security/test_tls.py::test_up_makes_certificates_once_and_checks_user_files",)),
+    "run.tls.hosts": CoveredBy(
+        ("tests/security/test_tls.py::test_generated_certificates_name_loopback_and_keep_keys_private",)),
+    "run.duration_s": CoveredBy(
+        (f"{CONTROLLER}::test_duration_stops_the_run_and_sigkills_a_node_that_ignores_sigterm",)),
+    "run.restart_backoff_s": Effect(restart_backoff, integration=True),
+    "run.restart_backoff_max_s": Effect(restart_backoff, integration=True),
+    "models.<name>.model": Effect(model_source),
+    "models.<name>.device": Effect(model_device),
+    "models.<name>.dtype": Effect(model_dtype),
+    "models.<name>.engine": CoveredBy((
+        "tests/server/test_engines.py::test_the_recipe_picks_the_engine",
+        "tests/test_recipe.py::test_engine_vllm_is_refused_where_vllm_is_not_importable",
+    )),
+    "models.<name>.finetune": Effect(model_finetune),
+    "models.<name>.lora.r": Effect(lora_r),
+    "models.<name>.lora.alpha": Effect(lora_alpha),
+    "models.<name>.lora.dropout": CoveredBy(
+        ("tests/server/test_adapter.py::test_dropout_applies_only_in_the_trainer_view",)),
+    "models.<name>.lora.target_modules": Effect(lora_target_modules),
+    "models.<name>.optimizer.lr": Effect(optimizer_hyperparameters),
+    "models.<name>.optimizer.weight_decay": Effect(optimizer_hyperparameters),
+    "models.<name>.optimizer.betas": Effect(optimizer_hyperparameters),
+    "models.<name>.optimizer.max_grad_norm": Effect(optimizer_max_grad_norm),
+    "models.<name>.train.algorithm": Effect(train_algorithm),
+    "models.<name>.train.groups_per_step": Effect(train_groups_per_step),
+    "models.<name>.train.max_staleness": CoveredBy((
+        f"{TRAINER}::test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time",
+        "tests/server/test_server_process.py::test_stale_group_is_refused",
+    )),
+    "models.<name>.train.clip_eps": Effect(train_clip_eps),
+    "models.<name>.train.kl_coef": CoveredBy((
+        f"{TRAINER}::test_kl_penalty_holds_the_policy_near_the_base_model",
+        "tests/test_recipe.py::test_kl_penalty_needs_lora",
+    )),
+    "models.<name>.train.merge": Effect(train_merge),
+    "models.<name>.train.max_tokens_per_microbatch": Effect(train_max_tokens_per_microbatch),
+    "models.<name>.train.max_steps": Effect(train_max_steps),
+    "models.<name>.checkpoint.every_steps": CoveredBy(
+        (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
+    "models.<name>.checkpoint.keep": CoveredBy(
+        (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
+    "models.<name>.checkpoint.dir": CoveredBy((
+        f"{TRAINER}::test_resume_restores_weights_optimizer_and_version",
+        "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
+    )),
+    "models.<name>.generation.max_batch_size": CoveredBy(
+        ("tests/server/test_engine_batching.py::test_a_batch_holds_at_most_max_batch_size",)),
+    "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
+    "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
+    "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
+    "models.<name>.limits.max_message_bytes": Served(served_max_message_bytes),
+    "models.<name>.host": Served(served_host),
+    "models.<name>.port": Effect(run_token_and_ports, integration=True),
+    "models.<name>.metrics_port": Effect(run_token_and_ports, integration=True),
+    "models.<name>.seed": Effect(model_seed),
+    "tasks.<name>.env": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    "tasks.<name>.agent": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    "tasks.<name>.model": CoveredBy((
+        f"{NODE}::test_digits_groups_arrive_with_correct_fields",
+        "tests/test_recipe.py::test_unknown_model_of_a_task_points_at_its_model_key",
+    )),
+    "tasks.<name>.env_args": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    "tasks.<name>.clients": CoveredBy(
+        (f"{CONTROLLER}::test_start_status_and_down_drains_clients_before_servers",)),
+    "tasks.<name>.group_size": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    "tasks.<name>.concurrency": CoveredBy(
+        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
+    "tasks.<name>.rollout_timeout_s": CoveredBy(
+        (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",)),
+    "tasks.<name>.runtime": CoveredBy(
+        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.image": CoveredBy(
+        (f"{DOCKER}::test_swap_to_a_new_image_replaces_every_container",)),
+    "tasks.<name>.resources.cpus": CoveredBy(
+        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.resources.memory": CoveredBy(
+        (f"{DOCKER}::test_the_memory_limit_is_enforced",)),
+    "tasks.<name>.resources.pids": CoveredBy(
+        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.resources.shm": CoveredBy(
+        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.docker_socket": CoveredBy((
+        f"{DOCKER}::test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes",
+        "tests/test_recipe.py::test_docker_socket_needs_the_docker_runtime",
+    )),
+    "tasks.<name>.inference": CoveredBy(
+        ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",)),
+    "tasks.<name>.sampling.temperature": CoveredBy(
+        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+    "tasks.<name>.sampling.top_p": CoveredBy(
+        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+    "tasks.<name>.sampling.max_tokens": CoveredBy(
+        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+    "tasks.<name>.spool_max_bytes": CoveredBy(
+        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
+    "tasks.<name>.seed": CoveredBy((f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+}
+
+
+@pytest.mark.unit
+def test_every_field_has_a_row() -> None:
+    fields = [f.path for f in reference_fields()]
+    missing = [f for f in fields if f not in ROWS]
+    stale = [r for r in ROWS if r not in fields]
+    assert not missing, (
+        f"schema fields without a row in {__name__}.ROWS: {missing}; show each one's effect "
+        "or refuse it in jetctl/recipe.py until it has one"
+    )
+    assert not stale, f"rows for fields the schema no longer has: {stale}"
+
+
+def _functions(file: Path) -> set[str]:
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "path", [p for p, r in ROWS.items() if isinstance(r, CoveredBy)]
+)
+def test_the_tests_a_row_names_exist_and_set_the_field(path: str) -> None:
+    row = ROWS[path]
+    assert isinstance(row, CoveredBy)
+    key = path.rsplit(".", 1)[-1]
+    for ref in row.tests:
+        file, name = ref.split("::")
+        source = ROOT / file
+        assert source.is_file(), f"{path}: {file} does not exist"
+        assert name in _functions(source), f"{path}: {ref} does not exist"
+        assert key in source.read_text(encoding="utf-8"), f"{path}: {file} never sets {key}"
+
+
+def _effect_params() -> list[Any]:
+    params = []
+    for path, row in ROWS.items():
+        if isinstance(row, Effect):
+            mark = pytest.mark.integration if row.integration else pytest.mark.unit
+            params.append(pytest.param(path, marks=[mark], id=path))
+    return params
+
+
+@pytest.mark.parametrize("path", _effect_params())
+def test_a_field_has_its_effect(path: str, tmp_path: Path, no_token_env: None) -> None:
+    row = ROWS[path]
+    assert isinstance(row, Effect)
+    row.check(tmp_path)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", [p for p, r in ROWS.items() if isinstance(r, Served)])
+def test_a_served_field_has_its_effect(path: str, real_server: Server) -> None:
+    row = ROWS[path]
+    assert isinstance(row, Served)
+    row.check(real_server)
