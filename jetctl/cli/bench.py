@@ -11,6 +11,9 @@ def register(app: typer.Typer) -> None:
     bench = typer.Typer(help="Benchmarks: figures measured side by side in one run.",
                         no_args_is_help=True)
     app.add_typer(bench, name="bench")
+    from jetctl.cli import bench_loop
+
+    bench_loop.register(bench)
 
     @bench.command("ingest")
     def ingest(

@@ -41,6 +41,7 @@ from jetctl import proctree
 from jetctl.env import LLM, Task
 
 MAX_ERROR_CHARS = 16_000  # keeps the result well under a pipe buffer's size
+MAIN_ENV = "JETCTL_ROLLOUT_MAIN"  # "path:<file>" or "name:<module>" of the node's __main__
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,19 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
     conn.close()
 
 
+def main_spec() -> str:
+    """How multiprocessing sets up `__main__` in a child of this process ("" if it does not);
+    `jetctl.client.prewarm` loads it once in the forkserver."""
+    from multiprocessing import spawn
+
+    data = spawn.get_preparation_data("rollout")
+    if "init_main_from_name" in data:
+        return f"name:{data['init_main_from_name']}"
+    if "init_main_from_path" in data:
+        return f"path:{data['init_main_from_path']}"
+    return ""
+
+
 def kill_group(pid: int) -> None:
     """SIGKILL the rollout's process group (its leader may already be gone)."""
     try:
@@ -157,8 +171,13 @@ class RolloutRunner:
         if registry is not None:
             registry.mkdir(parents=True, exist_ok=True)
         self._ctx = multiprocessing.get_context("forkserver")
-        # Only takes effect if this process has not started its forkserver yet.
-        self._ctx.set_forkserver_preload(["openai", "jetctl.env", __name__, *preload])
+        # Only takes effect if this process has not started its forkserver yet. prewarm
+        # loads this process's __main__ there once (else every child re-runs it) and
+        # resolves openai's lazy imports (see its docstring for the measured costs).
+        os.environ[MAIN_ENV] = main_spec()
+        self._ctx.set_forkserver_preload(
+            ["openai", "jetctl.env", __name__, *preload, "jetctl.client.prewarm"]
+        )
         # Process.start/join block briefly; keep them off the event loop.
         self._executor = ThreadPoolExecutor(
             max_workers=max_workers + 2, thread_name_prefix="rollout"

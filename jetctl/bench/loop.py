@@ -1,0 +1,402 @@
+"""`jetctl bench loop RECIPE`: the swarm against a plain synchronous loop, side by side.
+
+    jetctl bench loop recipes/quickstart.yaml --seconds 300 --env-latency 0,2 --seeds 0,1
+
+For each environment latency and seed it runs the recipe's first task (or `--task`) twice,
+one after the other on the same machine:
+
+* **swarm**: the real path, `jetctl up` on a recipe cut down to that task and its model
+  (`duration_s` = `--seconds`): controller, server, client nodes, rollout processes,
+  gRPC, spool, store;
+* **loop**: `jetctl.bench.sync_loop`, one process that generates a batch with
+  `model.generate`, scores it, takes one step, repeats, with the same model, LoRA, env,
+  agent, sampling, groups per step and optimizer.
+
+With a latency, every environment answer sleeps that long (`jetctl.bench.latency`); the loop
+runs a batch's environment calls in parallel, so it pays the latency once per turn.
+
+Both are timed from their process start (model loading included) and described by the
+same figures, computed the same way from the same kind of records (per group: the time it
+was scored and its mean reward; per step: the time): time to the first optimizer step,
+seconds per step and trajectories/s after it, time until the mean reward of the last
+`WINDOW` groups first reaches each threshold, the final reward, the trainer's busy
+fraction, generation batch sizes, staleness and CPU seconds per process role. Every
+swarm run's ledger is checked. Ratios are swarm / loop, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+WINDOW = 20  # groups in the rolling reward (10 batches of the quickstart's 2 groups)
+THRESHOLDS = (0.5, 0.8)
+FINAL_GROUPS = 32  # the final reward: mean of the last this many groups
+
+
+@dataclass
+class RunFigures:
+    mode: str  # swarm | loop
+    latency_s: float
+    seed: int
+    wall_s: float
+    first_step_s: float | None
+    steps: int
+    trajectories: int  # scored (trained on or not)
+    groups: int
+    groups_skipped: int  # all rewards equal: no GRPO signal, no step spent on it
+    sec_per_step: float | None
+    traj_per_s: float
+    reach_s: dict[str, float | None]  # threshold -> seconds (None: never)
+    final_reward: float
+    first_reward: float
+    trainer_busy: float  # fraction of the time after the first step spent training
+    gen_batch_mean: float
+    staleness_mean: float
+    cpu_s: dict[str, float]  # process role -> CPU seconds (user + system)
+    ledger: str = ""  # swarm: "balanced" or the problems
+    run_dir: str = ""
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (t, rolling reward)
+
+
+def figures(
+    mode: str, latency_s: float, seed: int, wall_s: float, groups: list[dict[str, Any]],
+    step_times: list[float], train_s: list[float], gen_batches: list[float],
+    staleness: list[float], cpu_s: dict[str, float],
+) -> RunFigures:
+    """The same figures for both modes, from per-group and per-step records."""
+    groups = sorted(groups, key=lambda g: g["t"])
+    step_times = sorted(step_times)
+    first = step_times[0] if step_times else None
+    rewards = [g["reward"] for g in groups]
+    curve: list[tuple[float, float]] = []
+    reach: dict[str, float | None] = {f"{t:g}": None for t in THRESHOLDS}
+    for i in range(WINDOW - 1, len(groups)):
+        mean = sum(rewards[i - WINDOW + 1 : i + 1]) / WINDOW
+        curve.append((groups[i]["t"], mean))
+        for thr in THRESHOLDS:
+            if reach[f"{thr:g}"] is None and mean >= thr:
+                reach[f"{thr:g}"] = groups[i]["t"]
+    after = [g for g in groups if first is not None and g["t"] >= first]
+    span = wall_s - first if first is not None else 0.0
+    sec_per_step = (
+        (step_times[-1] - step_times[0]) / (len(step_times) - 1) if len(step_times) > 1 else None
+    )
+    return RunFigures(
+        mode=mode, latency_s=latency_s, seed=seed, wall_s=wall_s, first_step_s=first,
+        steps=len(step_times), trajectories=sum(g["n"] for g in groups), groups=len(groups),
+        groups_skipped=sum(1 for g in groups if not g["informative"]),
+        sec_per_step=sec_per_step,
+        traj_per_s=sum(g["n"] for g in after) / span if span > 0 else 0.0,
+        reach_s=reach,
+        final_reward=_mean(rewards[-FINAL_GROUPS:]),
+        first_reward=_mean(rewards[:FINAL_GROUPS]),
+        trainer_busy=sum(train_s) / span if span > 0 else 0.0,
+        gen_batch_mean=_mean(gen_batches),
+        staleness_mean=_mean(staleness),
+        cpu_s=cpu_s,
+        curve=curve,
+    )
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+# --- the cut-down recipe -------------------------------------------------------------
+
+
+def task_recipe(
+    raw: dict[str, Any], task: str, *, seconds: float, latency_s: float, seed: int, run_dir: Path,
+) -> dict[str, Any]:
+    """The recipe with only `task` and its model, run for `seconds`, env slowed by latency."""
+    t = dict(raw["tasks"][task])
+    model = t["model"]
+    m = dict(raw["models"][model])
+    m["seed"] = seed
+    t["seed"] = seed
+    if latency_s > 0:
+        t["env_args"] = {
+            "inner": t["env"], "latency_s": latency_s, "inner_args": t.get("env_args") or {},
+        }
+        t["env"] = "jetctl.bench.latency:make_env"
+    run = {k: v for k, v in (raw.get("run") or {}).items() if k not in ("dir", "duration_s")}
+    run.update(name=run_dir.name, dir=str(run_dir), duration_s=seconds)
+    return {"run": run, "models": {model: m}, "tasks": {task: t}}
+
+
+# --- swarm -----------------------------------------------------------------------------
+
+
+class CpuSampler:
+    """CPU seconds per process role of a process tree, sampled every `interval_s`.
+
+    Rollout processes are short: they are counted through their forkserver's reaped children
+    (`children_user/system`), not one by one."""
+
+    def __init__(self, root_pid: int, interval_s: float = 1.0) -> None:
+        self.root = root_pid
+        self.interval_s = interval_s
+        self.last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        out: dict[str, float] = {}
+        for role, cpu in self.last.values():
+            out[role] = out.get(role, 0.0) + cpu
+        return out
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.root)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for p in procs:
+                try:
+                    role = _role(p.cmdline())
+                    if role == "rollout":
+                        continue
+                    t = p.cpu_times()
+                    cpu = t.user + t.system
+                    if role == "rollouts":  # the forkserver and the rollouts it reaped
+                        cpu += t.children_user + t.children_system
+                    self.last[p.pid] = (role, cpu)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            self._stop.wait(self.interval_s)
+
+
+def _role(cmdline: list[str]) -> str:
+    text = " ".join(cmdline)
+    if "forkserver" in text:
+        return "rollouts"
+    if "multiprocessing" in text or "jetctl-rollout" in text:
+        return "rollout"
+    for arg in cmdline:
+        if arg in ("server", "client"):
+            return arg
+    if " up " in f" {text} ":
+        return "controller"
+    return "other"
+
+
+def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int) -> RunFigures:
+    from jetctl.ledger import build_ledger
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    model = next(iter(recipe["models"]))
+    log = (run_dir.parent / f"{run_dir.name}.up.log").open("w")
+    t0_wall = time.time()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetctl.cli.main", "up", str(path)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    sampler = CpuSampler(proc.pid)
+    sampler.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.monotonic() - t0
+    cpu = sampler.stop()
+    cpu["all"] = usage.ru_utime + usage.ru_stime
+    log.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"jetctl up exited {proc.returncode}; see {log.name}")
+
+    steps = [json.loads(line) for line in (run_dir / "metrics" / f"{model}.steps.jsonl")
+             .read_text().splitlines() if line.strip()]
+    stepped = [s for s in steps if s.get("stepped", 1)]
+    groups = _store_groups(run_dir / f"server-{model}" / "store.sqlite", t0_wall)
+    gen = [s["generate/batch_size_mean"] for s in steps if "generate/batch_size_mean" in s]
+    fig = figures(
+        "swarm", latency_s, seed, wall, groups,
+        step_times=[s["time"] - t0_wall for s in stepped],
+        train_s=[s["timing/train_s"] for s in steps],
+        gen_batches=gen, staleness=[s["staleness/mean"] for s in stepped], cpu_s=cpu,
+    )
+    ledger = build_ledger(run_dir)
+    fig.ledger = "balanced" if ledger.balanced else "NOT BALANCED: " + "; ".join(
+        f"{p.kind} {p.trajectory_id}" for p in ledger.problems[:5])
+    fig.run_dir = str(run_dir)
+    return fig
+
+
+def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
+    """Accepted groups (trained or buffered) with their arrival time and mean reward."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        cols = {r[1] for r in db.execute("PRAGMA table_info(groups)")}
+        skipped = "skipped" if "skipped" in cols else "0"
+        rows = db.execute(
+            f"SELECT received_at, reward_sum, n_traj, {skipped} FROM groups "
+            "WHERE state IN ('buffered', 'trained') ORDER BY received_at"
+        ).fetchall()
+    finally:
+        db.close()
+    return [
+        {"t": at - t0_wall, "reward": total / n, "n": n, "informative": not skip}
+        for at, total, n, skip in rows
+    ]
+
+
+# --- loop ------------------------------------------------------------------------------
+
+
+def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: float,
+             seed: int) -> RunFigures:
+    from jetctl.recipe import Recipe
+
+    rec = Recipe.model_validate(recipe)  # defaults filled in, as the swarm's server sees them
+    task_name = next(iter(rec.tasks))
+    task = rec.tasks[task_name]
+    spec = {
+        "model": rec.models[task.model].model_dump(mode="json"),
+        "task": task.model_dump(mode="json"),
+        "seconds": seconds, "seed": seed, "latency_s": latency_s,
+    }
+    # the swarm's cut recipe wraps the env for latency; the loop wraps it itself
+    if latency_s > 0:
+        spec["task"]["env"] = recipe["tasks"][task_name]["env_args"]["inner"]
+        spec["task"]["env_args"] = recipe["tasks"][task_name]["env_args"]["inner_args"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = out_dir / "loop-spec.json", out_dir / "loop-out.json"
+    spec_path.write_text(json.dumps(spec))
+    with (out_dir / "loop.log").open("w") as log:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jetctl.bench.sync_loop", str(spec_path), str(out_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.monotonic() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"the loop failed; see {out_dir / 'loop.log'}")
+    out = json.loads(out_path.read_text())
+    return figures(
+        "loop", latency_s, seed, wall, out["groups"], out["steps"], out["train_s"],
+        [float(b) for b in out["gen_batches"]], [0.0] * len(out["steps"]),
+        {"loop": usage.ru_utime + usage.ru_stime, "all": usage.ru_utime + usage.ru_stime},
+    )
+
+
+# --- the bench -------------------------------------------------------------------------
+
+
+def run(
+    recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
+    modes: list[str], task: str | None = None, out_dir: Path | None = None,
+    progress: Any = None,
+) -> list[RunFigures]:
+    from jetctl.recipe import load_recipe
+
+    load_recipe(recipe_path)  # a broken recipe fails here, with its lines
+    raw = yaml.safe_load(recipe_path.read_text())
+    task = task or next(iter(raw["tasks"]))
+    base = out_dir or Path(tempfile.mkdtemp(prefix="jetctl-bench-loop-"))
+    results: list[RunFigures] = []
+    for latency in latencies:
+        for seed in seeds:
+            for mode in modes:
+                name = f"{mode}-lat{latency:g}-seed{seed}"
+                if progress:
+                    progress(f"{name}: {seconds:g}s")
+                rd = base / name
+                recipe = task_recipe(raw, task, seconds=seconds, latency_s=latency, seed=seed,
+                                     run_dir=rd)
+                if mode == "swarm":
+                    results.append(run_swarm(recipe, rd, latency, seed))
+                else:
+                    results.append(run_loop(recipe, rd, seconds, latency, seed))
+    (base / "bench-loop.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return results
+
+
+def median_or_none(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    if len(vals) < len(xs) / 2 or not vals:
+        return None  # most runs never got there
+    return statistics.median(vals)
+
+
+def render(results: list[RunFigures]) -> Any:
+    """One table: per latency, loop | swarm | swarm/loop (medians over seeds)."""
+    from rich.table import Table
+
+    latencies = sorted({r.latency_s for r in results})
+    modes = [m for m in ("loop", "swarm") if any(r.mode == m for r in results)]
+    seeds = sorted({r.seed for r in results})
+    table = Table(title=f"jetctl bench loop: medians over seeds {seeds}; ratio = swarm / loop")
+    table.add_column("figure")
+    for lat in latencies:
+        for m in modes:
+            table.add_column(f"{m} {lat:g}s", justify="right")
+        if len(modes) == 2:
+            table.add_column(f"ratio {lat:g}s", justify="right")
+
+    def pick(lat: float, mode: str) -> list[RunFigures]:
+        return [r for r in results if r.latency_s == lat and r.mode == mode]
+
+    rows: list[tuple[str, Any, str]] = [
+        ("time to first step (s)", lambda r: r.first_step_s, "{:.1f}"),
+        ("optimizer steps", lambda r: r.steps, "{:.0f}"),
+        ("seconds per step", lambda r: r.sec_per_step, "{:.2f}"),
+        ("trajectories/s", lambda r: r.traj_per_s, "{:.2f}"),
+        *[(f"reward >= {t:g} at (s)", (lambda t: lambda r: r.reach_s[f"{t:g}"])(t), "{:.0f}")
+          for t in THRESHOLDS],
+        (f"reward, first {FINAL_GROUPS} groups", lambda r: r.first_reward, "{:.2f}"),
+        (f"reward, last {FINAL_GROUPS} groups", lambda r: r.final_reward, "{:.2f}"),
+        ("groups skipped (no variance)", lambda r: r.groups_skipped / max(r.groups, 1), "{:.0%}"),
+        ("trainer busy", lambda r: r.trainer_busy, "{:.0%}"),
+        ("generation batch (mean)", lambda r: r.gen_batch_mean, "{:.1f}"),
+        ("staleness (mean lag)", lambda r: r.staleness_mean, "{:.2f}"),
+        ("CPU s, all processes", lambda r: r.cpu_s.get("all"), "{:.0f}"),
+    ]
+    roles = sorted({k for r in results for k in r.cpu_s if k not in ("all", "loop")})
+    rows += [(f"  CPU s, {role}", (lambda k: lambda r: r.cpu_s.get(k))(role), "{:.0f}")
+             for role in roles]
+    for label, get, fmt in rows:
+        cells: list[str] = []
+        for lat in latencies:
+            meds = {}
+            for m in modes:
+                runs = pick(lat, m)
+                vals = [get(r) for r in runs]
+                meds[m] = median_or_none(vals)
+                text = "-" if meds[m] is None else fmt.format(meds[m])
+                if len(runs) > 1 and "reward >=" in label:
+                    text += " (" + ",".join("-" if v is None else f"{v:.0f}" for v in vals) + ")"
+                cells.append(text)
+            if len(modes) == 2:
+                a, b = meds["loop"], meds["swarm"]
+                cells.append(f"{b / a:.2f}x" if a and b is not None and "%" not in fmt else "")
+        table.add_row(label, *cells)
+    ledgers = [f"{r.mode} {r.latency_s:g}s seed {r.seed}: {r.ledger}" for r in results if r.ledger]
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(table, Text("ledger: " + "; ".join(ledgers) if ledgers else ""))

@@ -1,0 +1,55 @@
+"""`jetctl bench loop`: the swarm against a plain synchronous loop (jetctl.bench.loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(bench: typer.Typer) -> None:
+    @bench.command("loop")
+    def loop(
+        recipe: Annotated[Path, typer.Argument(help="The recipe; its first task is run.")],
+        seconds: Annotated[float, typer.Option(help="Wall seconds of each run.")] = 300.0,
+        env_latency: Annotated[str, typer.Option(
+            help="Comma-separated seconds added to every environment answer, e.g. 0,0.5,2."
+        )] = "0",
+        seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
+        modes: Annotated[str, typer.Option(help="swarm,loop or one of them.")] = "loop,swarm",
+        task: Annotated[str | None, typer.Option(help="The task to run (default: the first).")] = None,
+        out: Annotated[Path | None, typer.Option(
+            help="Folder for the runs and bench-loop.json (default: a temp folder).")] = None,
+    ) -> None:
+        """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
+        sampling and optimizer; time to first step, s/step, trajectories/s, time to reward,
+        trainer busy, CPU per process; ratios measured side by side."""
+        from rich.console import Console
+
+        from jetctl.bench import loop as bl
+        from jetctl.cli.errors import fail
+
+        try:
+            latencies = [float(x) for x in env_latency.split(",") if x.strip()]
+            seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--env-latency {env_latency!r} / --seeds {seeds!r}: give numbers separated by commas")
+        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+        if not mode_list or set(mode_list) - {"swarm", "loop"}:
+            fail(f"--modes {modes!r}: choose from swarm, loop")
+        if any(x < 0 for x in latencies) or not latencies or not seed_list:
+            fail("--env-latency needs values >= 0 and --seeds at least one seed")
+        if seconds < 10:
+            fail(f"--seconds ({seconds:g}) must be at least 10")
+        if not recipe.is_file():
+            fail(f"no recipe at {recipe}")
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 160))
+        runs = len(latencies) * len(seed_list) * len(mode_list)
+        console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min)")
+        results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
+                         modes=mode_list, task=task, out_dir=out,
+                         progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
+        console.print(bl.render(results))
