@@ -156,7 +156,7 @@ def _measure(endpoint: str, token: str, mode: str, clients: int, processes: int,
         bad += b
         p.join()
     latencies.sort()
-    q = lambda f: latencies[min(int(f * len(latencies)), len(latencies) - 1)] * 1000  # noqa: E731
+    q = lambda f: latencies[min(int(f * len(latencies)), len(latencies) - 1)] * 1000
     return IngestResult(mode, clients, len(latencies), seconds, size, q(0.5), q(0.99), bad)
 
 

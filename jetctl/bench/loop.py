@@ -274,7 +274,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
     rec = Recipe.model_validate(recipe)  # defaults filled in, as the swarm's server sees them
     task_name = next(iter(rec.tasks))
     task = rec.tasks[task_name]
-    spec = {
+    spec: dict[str, Any] = {
         "model": rec.models[task.model].model_dump(mode="json"),
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
@@ -343,6 +343,14 @@ def median_or_none(xs: list[float | None]) -> float | None:
     return statistics.median(vals)
 
 
+def _reach(threshold: float) -> Any:
+    return lambda r: r.reach_s[f"{threshold:g}"]
+
+
+def _cpu(role: str) -> Any:
+    return lambda r: r.cpu_s.get(role)
+
+
 def render(results: list[RunFigures]) -> Any:
     """One table: per latency, loop | swarm | swarm/loop (medians over seeds)."""
     from rich.table import Table
@@ -366,8 +374,7 @@ def render(results: list[RunFigures]) -> Any:
         ("optimizer steps", lambda r: r.steps, "{:.0f}"),
         ("seconds per step", lambda r: r.sec_per_step, "{:.2f}"),
         ("trajectories/s", lambda r: r.traj_per_s, "{:.2f}"),
-        *[(f"reward >= {t:g} at (s)", (lambda t: lambda r: r.reach_s[f"{t:g}"])(t), "{:.0f}")
-          for t in THRESHOLDS],
+        *[(f"reward >= {t:g} at (s)", _reach(t), "{:.0f}") for t in THRESHOLDS],
         (f"reward, first {FINAL_GROUPS} groups", lambda r: r.first_reward, "{:.2f}"),
         (f"reward, last {FINAL_GROUPS} groups", lambda r: r.final_reward, "{:.2f}"),
         ("groups skipped (no variance)", lambda r: r.groups_skipped / max(r.groups, 1), "{:.0%}"),
@@ -377,8 +384,7 @@ def render(results: list[RunFigures]) -> Any:
         ("CPU s, all processes", lambda r: r.cpu_s.get("all"), "{:.0f}"),
     ]
     roles = sorted({k for r in results for k in r.cpu_s if k not in ("all", "loop")})
-    rows += [(f"  CPU s, {role}", (lambda k: lambda r: r.cpu_s.get(k))(role), "{:.0f}")
-             for role in roles]
+    rows += [(f"  CPU s, {role}", _cpu(role), "{:.0f}") for role in roles]
     for label, get, fmt in rows:
         cells: list[str] = []
         for lat in latencies:

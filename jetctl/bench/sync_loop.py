@@ -119,7 +119,7 @@ class _Client:
 
         loop = self._loop
         tools = kw.get("tools")
-        prompt = loop.tokenizer.apply_chat_template(
+        prompt: list[int] = loop.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
         sampling = loop.task["sampling"]
@@ -130,7 +130,7 @@ class _Client:
             float(kw.get("top_p", sampling["top_p"])),
         )
         self._rollout.calls.append(loop.batcher.ask(call))
-        text = loop.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+        text: str = loop.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
         reply = parse_tool_calls(text)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         finish = call.finish
@@ -175,6 +175,8 @@ class SyncLoop:
         mc = spec.model
         torch.set_num_threads(spec.threads or os.cpu_count() or 1)
         torch.manual_seed(spec.seed)
+        self.model: Any
+        self.tokenizer: Any
         self.model, self.tokenizer = load_model(
             mc["model"], dtype=mc["dtype"], device="cpu", attn_implementation="sdpa"
         )
@@ -346,7 +348,8 @@ class SyncLoop:
 
 def main(argv: list[str]) -> int:
     spec_path, out_path = argv[1], argv[2]
-    spec = LoopSpec(**json.loads(open(spec_path).read()))
+    with open(spec_path) as f:
+        spec = LoopSpec(**json.load(f))
     out = SyncLoop(spec).run()
     with open(out_path, "w") as f:
         json.dump(out, f)

@@ -11,11 +11,11 @@ what a child loads dies with it:
   says `init_main_from_path`), so every child re-ran it: 0.2-1.8 s of CPU. The node names
   its main in `JETCTL_ROLLOUT_MAIN` (`rollout.main_spec`) and this module imports it here,
   the way multiprocessing would have, so each child finds it in place and skips it.
-* the `openai` SDK, httpx and httpcore import most of themselves lazily, on the first
-  request and the first parsed response (~200 ms of CPU; httpcore pulls in trio when it
-  is installed). One real round trip here, sync and async, against a one-shot server on
+* the `openai` SDK and its HTTP client import most of themselves lazily, on the first
+  request and the first parsed response (~200 ms of CPU; the HTTP core pulls in trio when
+  it is installed). One real round trip here, sync and async, against a one-shot server on
   loopback, loads them into the memory every rollout inherits by fork.
-* (in `jetctl.env.LLM`) every client loaded the CA bundle for TLS (~150 ms) although the
+* (in `jetctl.env.LLM`) every client loaded the CA bundle for TLS (~60 ms) although the
   node's endpoint is plain HTTP on loopback.
 
 Import it only in a forkserver: it runs `asyncio.run` and serves two requests on loopback.
@@ -24,6 +24,8 @@ Import it only in a forkserver: it runs `asyncio.run` and serves two requests on
 from __future__ import annotations
 
 import os
+from typing import Any
+
 
 def _adopt_main() -> None:
     from multiprocessing import process, spawn
@@ -60,11 +62,16 @@ _TOOLS = [{"type": "function", "function": {
     "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
 
 
+def _serve_two(server: Any) -> None:
+    server.handle_request()
+    server.handle_request()
+
+
 def _warm_openai() -> None:
     """Whole chat.completions round trips, sync and async, the way a rollout makes them
     (`jetctl.env.LLM`'s clients) against a one-shot server on loopback: request building
-    (the SDK's TypedDict transforms cache their type hints per process), httpx, httpcore,
-    h11 (imported on the first request: ~160 ms of CPU) and response parsing. The server
+    (the SDK's TypedDict transforms cache their type hints per process), the HTTP client
+    and its core (imported on the first request: ~160 ms of CPU) and response parsing. The server
     thread ends before this returns, so the forkserver forks no threads."""
     import asyncio
     import http.server
@@ -89,7 +96,7 @@ def _warm_openai() -> None:
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     server.timeout = 10.0  # handle_request gives up: a failed warm-up must not hang the node
-    thread = threading.Thread(target=lambda: [server.handle_request() for _ in range(2)])
+    thread = threading.Thread(target=_serve_two, args=(server,))
     thread.start()
     llm = LLM(f"http://127.0.0.1:{server.server_port}/v1", "warm")
     kwargs = {"model": "warm", "messages": _MESSAGES, "tools": _TOOLS, "max_tokens": 1,
