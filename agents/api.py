@@ -1,9 +1,12 @@
 """Tool-calling agent for envs/api: call the REST API until the answer is submitted.
 
-One tool, http(method, path, body) (the session's `http`; credentials and rate-limit waits
-are handled there, see envs/api). `body` may be a JSON object or a JSON string. The loop is
+Tools: those of the session's level (the session's methods; credentials and rate-limit waits
+are handled there, see envs/api): hard: http(method, path, body), `body` a JSON object or a
+JSON string; easy: get(path). The conversation starts from
+`session.opening()` (at the easy level after a prior exchange). The loop is
 `agents.tool_loop.run_tool_loop`; it ends once the task is answered, when the model answers
-without a tool call, or after MAX_STEPS model calls. Run with `agent = "agents.api:agent"`.
+without a tool call, or after the level's `session.max_steps` model calls. Sampling is the
+endpoint's (on a client node, the recipe's `sampling`). Run with `agent = "agents.api:agent"`.
 Left out: an async variant.
 """
 
@@ -16,13 +19,10 @@ from agents.tool_loop import Tool, run_tool_loop, text_arg
 from envs.api import ApiSession, ApiToolError
 from jetctl.env import LLM, Task
 
-MAX_STEPS = 16
-MAX_TOKENS = 256
-TEMPERATURE = 1.0
-SYSTEM = "You answer questions by calling a JSON REST API with the http tool."
-
 
 def tools_for(session: ApiSession) -> list[Tool]:
+    """The API tools the session's level offers."""
+
     def http(method: str, path: str, body: Any = None) -> str:
         if isinstance(body, str) and body.strip():
             try:
@@ -33,7 +33,7 @@ def tools_for(session: ApiSession) -> list[Tool]:
             body = None
         return session.http(method, path, body)
 
-    return [
+    tools = [
         Tool(
             "http",
             "Call the API: method GET or POST, a path like /v1/users?name=Ada, and for POST a "
@@ -45,17 +45,14 @@ def tools_for(session: ApiSession) -> list[Tool]:
             },
             http,
             optional=("body",),
-        )
-    ]
+        ),
+        Tool("get", "GET a path of the API.", {"path": text_arg("the path")}, session.get),
+    ]  # fmt: skip
+    return [t for t in tools if t.name in session.tool_names]
 
 
 def agent(task: Task, llm: LLM, session: ApiSession) -> None:
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": task.prompt},
-    ]
     run_tool_loop(
-        llm.client(), llm.model, messages, tools_for(session), (ApiToolError,),
-        done=lambda: session.answered, max_steps=MAX_STEPS, max_tokens=MAX_TOKENS,
-        temperature=TEMPERATURE,
+        llm.client(), llm.model, session.opening(), tools_for(session), (ApiToolError,),
+        done=lambda: session.answered, max_steps=session.max_steps,
     )  # fmt: skip

@@ -5,7 +5,8 @@
     says so, or `max_steps` model calls were made.
 
 Each assistant message is appended exactly as the endpoint returned it (so the client node
-reuses its token ids as the next prompt's prefix). A tool call with unparseable or wrong
+reuses its token ids as the next prompt's prefix). `max_tokens` and `temperature` left None
+are not sent, so the endpoint's defaults apply (on a client node: the recipe's `sampling`). A tool call with unparseable or wrong
 arguments, or one the env refuses (its ToolError), is answered with an error text and the
 loop goes on: the model's mistakes are part of the rollout, not a crash. Any other
 exception is a failed rollout.
@@ -87,19 +88,20 @@ def run_tool_loop(
     errors: tuple[type[Exception], ...],
     done: Callable[[], bool],
     max_steps: int,
-    max_tokens: int,
-    temperature: float,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
 ) -> list[dict[str, Any]]:
     """The loop (see the module docstring); returns the conversation."""
     by_name = {t.name: t for t in tools}
     schemas = [t.schema() for t in tools]
+    sampling: dict[str, Any] = {}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if temperature is not None:
+        sampling["temperature"] = temperature
     for _ in range(max_steps):
         response = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            tools=schemas,
-            max_tokens=max_tokens,
-            temperature=temperature,
+            model=model, messages=messages, tools=schemas, **sampling
         )
         message: dict[str, Any] = response.choices[0].message.model_dump(exclude_none=True)
         messages.append(message)

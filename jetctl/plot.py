@@ -1,19 +1,25 @@
-"""The reward curve of a run: `reward_curve.csv` and `reward_curve.png` in the run dir.
+"""The reward curves of a run, in the run dir.
 
-Reads `<run_dir>/metrics/<model>.steps.jsonl` (one JSON object per optimizer step, with
-"step", "time", "reward/mean", ...) and writes, per model, the raw `reward/mean` and its
-trailing moving average. The controller calls `write_reward_curve(run_dir)` every ~30 s and
-when the run ends; it is also usable by hand:
+`reward_curve.csv` / `.png`: per model, the raw `reward/mean` of each optimizer step and its
+trailing moving average, from `<run_dir>/metrics/<model>.steps.jsonl` (one JSON object per
+step; lines that are not complete JSON, a step being written, are skipped).
+
+`reward_by_task.csv` / `.png`: per task, the mean reward of each accepted group in the order
+the server received them, and the trailing mean of the last 32 groups (what `jetctl status`
+shows as a task's reward, `Status.reward_by_task`), from each server's store (read-only).
+Groups are what a task's curve counts, not steps: one step may train groups of several tasks.
+
+The controller calls `write_reward_curve(run_dir)` every ~30 s and when the run ends; it is
+also usable by hand:
 
     python -c "from jetctl.plot import write_reward_curve; write_reward_curve('runs/latest')"
-
-Lines that are not complete JSON (a step being written) are skipped.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +27,7 @@ from jetctl.rundir import RunPaths, replacing
 
 REWARD_KEY = "reward/mean"
 STEPS_SUFFIX = ".steps.jsonl"
+TASK_WINDOW = 32  # groups: the window of Status.reward_by_task
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,59 @@ def read_run_rewards(run_dir: Path) -> dict[str, list[RewardPoint]]:
     return curves
 
 
+@dataclass(frozen=True)
+class GroupPoint:
+    time: float  # seconds since the model's first accepted group
+    reward: float  # the group's mean trajectory reward
+
+
+def read_task_rewards(run_dir: Path) -> dict[tuple[str, str], list[GroupPoint]]:
+    """(model, task) -> its accepted groups in the order received, from the servers' stores."""
+    out: dict[tuple[str, str], list[GroupPoint]] = {}
+    for model, path in RunPaths(Path(run_dir)).stores().items():
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = db.execute(
+                "SELECT task, received_at, reward_sum, n_traj FROM groups "
+                "WHERE state != 'rejected' AND n_traj > 0 ORDER BY received_at, rowid"
+            ).fetchall()
+        except sqlite3.OperationalError:  # a store being created: no groups table yet
+            rows = []
+        finally:
+            db.close()
+        start = rows[0][1] if rows else 0.0
+        for task, received_at, reward_sum, n_traj in rows:
+            point = GroupPoint(float(received_at) - start, float(reward_sum) / int(n_traj))
+            out.setdefault((model, str(task)), []).append(point)
+    return out
+
+
+def write_task_curve(run_dir: Path | str, window: int = TASK_WINDOW) -> tuple[Path, Path] | None:
+    """Write reward_by_task.csv and reward_by_task.png; None when no group is stored yet."""
+    paths = RunPaths(Path(run_dir))
+    curves = read_task_rewards(paths.root)
+    if not curves:
+        return None
+    csv_path, png_path = paths.reward_by_task_csv, paths.reward_by_task_png
+    with replacing(csv_path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "task", "group", "time", "reward", f"reward_last{window}"])
+        for (model, task), pts in curves.items():
+            avg = moving_average([p.reward for p in pts], window)
+            for i, (p, a) in enumerate(zip(pts, avg), start=1):
+                w.writerow([model, task, i, f"{p.time:.3f}", f"{p.reward:.6g}", f"{a:.6g}"])
+    series = {f"{task} ({model})": [(p.time / 60, p.reward) for p in pts]
+              for (model, task), pts in curves.items()}  # fmt: skip
+    _plot(png_path, series, window, "minutes since the first group", "group reward",
+          f"reward by task: {paths.root.name}", "groups")  # fmt: skip
+    return csv_path, png_path
+
+
 def write_reward_curve(run_dir: Path | str, window: int = 10) -> tuple[Path, Path] | None:
-    """Write reward_curve.csv and reward_curve.png; None when no model has a step yet."""
+    """Write reward_curve.csv and reward_curve.png (and the per-task curve,
+    `write_task_curve`); None when no model has a step yet."""
     run_dir = Path(run_dir)
+    write_task_curve(run_dir)
     curves = {m: pts for m, pts in read_run_rewards(run_dir).items() if pts}
     if not curves:
         return None
@@ -93,6 +150,20 @@ def _write_csv(path: Path, curves: dict[str, list[RewardPoint]], window: int) ->
 
 
 def _write_png(path: Path, curves: dict[str, list[RewardPoint]], window: int) -> None:
+    series = {model: [(float(p.step), p.reward) for p in pts] for model, pts in curves.items()}
+    _plot(path, series, window, "optimizer step", REWARD_KEY, f"reward: {path.parent.name}",
+          "steps")  # fmt: skip
+
+
+def _plot(
+    path: Path,
+    series: dict[str, list[tuple[float, float]]],
+    window: int,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    unit: str,
+) -> None:
     # the object API with the Agg canvas: no pyplot global state, safe off the main thread
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -100,16 +171,16 @@ def _write_png(path: Path, curves: dict[str, list[RewardPoint]], window: int) ->
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for i, (model, pts) in enumerate(curves.items()):
+    for i, (name, pts) in enumerate(series.items()):
         color = f"C{i % 10}"
-        steps = [p.step for p in pts]
-        rewards = [p.reward for p in pts]
-        ax.plot(steps, rewards, color=color, alpha=0.3, linewidth=1, label=f"{model} (raw)")
-        ax.plot(steps, moving_average(rewards, window), color=color, linewidth=2,
-                label=f"{model} (mean of last {window})")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(REWARD_KEY)
-    ax.set_title(f"reward: {path.parent.name}")
+        xs = [x for x, _ in pts]
+        ys = [y for _, y in pts]
+        ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1, label=f"{name} (raw)")
+        ax.plot(xs, moving_average(ys, window), color=color, linewidth=2,
+                label=f"{name} (mean of last {window} {unit})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     fig.tight_layout()

@@ -81,6 +81,14 @@ class RunPaths:
         return self.root / "reward_curve.png"
 
     @property
+    def reward_by_task_csv(self) -> Path:
+        return self.root / "reward_by_task.csv"
+
+    @property
+    def reward_by_task_png(self) -> Path:
+        return self.root / "reward_by_task.png"
+
+    @property
     def refused(self) -> Path:
         return self.root / "refused"
 

@@ -1,4 +1,4 @@
-"""ApiEnv / ApiSession (see the package docstring for the tasks and reward)."""
+"""ApiEnv / ApiSession (see the package docstring for the tasks, levels and reward)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,26 @@ from envs.api.service import (
     ApiServer,
     ApiState,
     Dataset,
+    Order,
     RateLimiter,
     Secret,
     User,
     make_dataset,
 )
+from envs.levels import ActionLog, Level, check_level, easy_reward, example_call
 from jetctl.env import Task
 
 TASK_KINDS = ("shipped_total", "units")
+HARD_SYSTEM = "You answer questions by calling a JSON REST API with the http tool."
+EASY_SYSTEM = (
+    "You fetch resources from a JSON REST API. Endpoints: GET /v1/orders/<order id>, "
+    "GET /v1/users/<user id>, GET /v1/users/<user id>/orders."
+)
+EASY_PROMPT = "Fetch {what} from the API. Call get."
+EASY_KINDS = ("order", "user", "user_orders")
+TOOLS_BY_LEVEL: dict[Level, tuple[str, ...]] = {"easy": ("get",), "hard": ("http",)}
+MAX_STEPS_BY_LEVEL: dict[Level, int] = {"easy": 1, "hard": 16}
+EXAMPLE_ORDER = 0  # index into the dataset's orders; never asked as an easy task
 METHODS = ("GET", "POST")
 GUIDE = (
     "Use the http tool on the shop's REST API (JSON; credentials are added for you). "
@@ -58,8 +70,33 @@ class ApiSession:
     max_retries_429: int = 3
     max_wait_s: float = 10.0
     max_body_chars: int = 4000
+    level: Level = "hard"
+    example: tuple[dict[str, Any], ...] = ()  # the easy level's prior exchange
+    log_actions: bool = False
     calls: int = 0
     closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.actions = ActionLog("api", self.level, self.task.id)
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        """The tools this level offers the agent."""
+        return TOOLS_BY_LEVEL[self.level]
+
+    @property
+    def max_steps(self) -> int:
+        """Model calls the agent may make."""
+        return MAX_STEPS_BY_LEVEL[self.level]
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The conversation the agent starts from (easy: after the prior exchange)."""
+        system = HARD_SYSTEM if self.level == "hard" else EASY_SYSTEM
+        return [
+            {"role": "system", "content": system},
+            *self.example,
+            {"role": "user", "content": self.task.prompt},
+        ]
 
     def request(self, method: str, path: str, body: Any = None) -> HttpReply:
         """One HTTP call to the service with the credential added; a 429 is waited out
@@ -70,6 +107,9 @@ class ApiSession:
             raise ApiToolError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if not path.startswith("/") or path.startswith("//"):
             raise ApiToolError(f"path must start with a single '/', like /v1/users, got {path!r}")
+        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in path):
+            raise ApiToolError(f"path must not hold spaces or control characters (%-encode "
+                               f"them, e.g. %20), got {path!r}")  # fmt: skip
         waited = 0.0
         for attempt in range(self.max_retries_429 + 1):
             reply = self._send(method, path, body)
@@ -82,14 +122,30 @@ class ApiSession:
             waited += wait
         raise AssertionError("unreachable: the last attempt returns")
 
-    def http(self, method: str, path: str, body: Any = None) -> str:
-        """`request` as text for the model: status line, then the JSON body."""
-        reply = self.request(method, path, body)
+    def _as_text(self, tool: str, args: dict[str, Any], method: str, path: str,
+                 body: Any) -> str:  # fmt: skip
+        """`request` as text for the model (status line, then the JSON body), logged."""
+        try:
+            reply = self.request(method, path, body)
+        except ApiToolError as e:
+            self.actions.record(tool, args, f"error: {e}")
+            raise
         note = f" (waited {reply.waited_s:g}s for the rate limit)" if reply.waited_s else ""
         text = reply.body
         if len(text) > self.max_body_chars:
             text = text[: self.max_body_chars] + "[...]"
-        return f"HTTP {reply.status}{note}\n{text}"
+        result = f"HTTP {reply.status}{note}\n{text}"
+        self.actions.record(tool, args, result)
+        return result
+
+    def http(self, method: str, path: str, body: Any = None) -> str:
+        """`request` as text for the model: status line, then the JSON body."""
+        args = {"method": method, "path": path, "body": body}
+        return self._as_text("http", args, method, path, body)
+
+    def get(self, path: str) -> str:
+        """GET `path` (the easy level's one tool)."""
+        return self._as_text("get", {"path": path}, "GET", path, None)
 
     def _send(self, method: str, path: str, body: Any) -> HttpReply:
         self.calls += 1
@@ -112,14 +168,26 @@ class ApiSession:
         """Whether an answer for this task was submitted."""
         return self.task.id in self.server.state.answers
 
-    def reward(self) -> float:
-        """1.0 if the service holds the right answer for this task, else 0.0."""
+    def task_score(self) -> float:
+        """From the service's own records. Hard: 1.0 if it holds the right answer for this
+        task. Easy: 1.0 if it served the task's resource (200 to a GET of its path)."""
+        if self.task.data.get("level") == "easy":
+            served = self.server.state.served
+            return 1.0 if ("GET", self.task.data["path"], 200) in served else 0.0
         answer = self.server.state.answers.get(self.task.id)
         return 1.0 if _as_int(answer) == self.task.data["answer"] else 0.0
+
+    def reward(self) -> float:
+        """Hard: the task score. Easy: 0.2 for a well-formed action + 0.8 * the task score."""
+        if self.level == "hard":
+            return self.task_score()
+        return easy_reward(self.task_score(), self.actions.well_formed, self.max_steps)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.log_actions:
+                self.actions.dump(self.reward())
             self.server.close()
 
 
@@ -151,17 +219,20 @@ def _as_int(value: Any) -> int | None:
 
 @dataclass
 class ApiEnv:
-    """Multi-call lookup tasks over a dataset fixed by `seed`; ids `api-<kind>-<opaque hash>`."""
+    """Lookup tasks over a dataset fixed by `seed`; ids `api-<kind>-<opaque hash>`."""
 
     api_key: Secret = field(repr=False)
     seed: int = 0
     rate_per_s: float = 5.0
     burst: int = 5
     max_retries_429: int = 3
+    level: Level = "hard"
+    log_actions: bool = False
     name: str = "api"
     data: Dataset = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.level = check_level(self.level)
         self.data = make_dataset(self.seed)
         RateLimiter(self.rate_per_s, self.burst)  # checks the numbers
 
@@ -192,7 +263,35 @@ class ApiEnv:
             data={"kind": kind, "answer": answer, "seed": self.seed},
         )
 
+    def easy_task(self, kind: str, order: Order) -> Task:
+        """Fetch one resource: the order, its user, or its user's orders."""
+        if order == self.data.orders[EXAMPLE_ORDER]:
+            raise ValueError(f"order {order.id} is the easy level's example, never a task")
+        what, path = {
+            "order": (f"order {order.id}", f"/v1/orders/{order.id}"),
+            "user": (f"user {order.user_id}", f"/v1/users/{order.user_id}"),
+            "user_orders": (f"the orders of user {order.user_id}",
+                            f"/v1/users/{order.user_id}/orders"),
+        }[kind]  # fmt: skip
+        return Task(
+            id=_task_id(self.seed, "easy", kind, order.id),
+            prompt=EASY_PROMPT.format(what=what),
+            data={"kind": kind, "path": path, "seed": self.seed, "level": "easy"},
+        )
+
+    def example(self) -> tuple[dict[str, Any], ...]:
+        """The easy level's prior exchange: fetch an order, and the call that does it."""
+        order = self.data.orders[EXAMPLE_ORDER]
+        return (
+            {"role": "user", "content": EASY_PROMPT.format(what=f"order {order.id}")},
+            example_call("get", path=f"/v1/orders/{order.id}"),
+        )
+
     def tasks(self, rng: random.Random) -> Iterator[Task]:
+        if self.level == "easy":
+            orders = [o for i, o in enumerate(self.data.orders) if i != EXAMPLE_ORDER]
+            while True:
+                yield self.easy_task(rng.choice(EASY_KINDS), rng.choice(orders))
         while True:
             user = rng.choice(self.data.users)
             if rng.choice(TASK_KINDS) == "units":
@@ -201,8 +300,13 @@ class ApiEnv:
                 yield self.task("shipped_total", user)
 
     def open(self, task: Task) -> ApiSession:
+        if task.data.get("level", "hard") != self.level:
+            raise ValueError(f"task {task.id} is not a task of the {self.level} level")
         state = ApiState(self.data, self.api_key, RateLimiter(self.rate_per_s, self.burst))
-        return ApiSession(task, ApiServer(state), self.api_key, self.max_retries_429)
+        return ApiSession(
+            task, ApiServer(state), self.api_key, self.max_retries_429, level=self.level,
+            example=self.example() if self.level == "easy" else (), log_actions=self.log_actions,
+        )  # fmt: skip
 
 
 def make_env(
@@ -211,6 +315,8 @@ def make_env(
     rate_per_s: float = 5.0,
     burst: int = 5,
     max_retries_429: int = 3,
+    level: Level = "hard",
+    log_actions: bool = False,
 ) -> ApiEnv:
     """The api env (see the package docstring). `api_key`: pass `${VAR}` in the recipe;
     None makes a random key for this env."""
@@ -219,5 +325,5 @@ def make_env(
     key = Secret(api_key if api_key is not None else secrets.token_urlsafe(24))
     return ApiEnv(
         api_key=key, seed=seed, rate_per_s=rate_per_s, burst=burst,
-        max_retries_429=max_retries_429,
+        max_retries_429=max_retries_429, level=level, log_actions=log_actions,
     )  # fmt: skip

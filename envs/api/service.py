@@ -131,6 +131,20 @@ def make_dataset(seed: int, n_users: int = 12) -> Dataset:
     return Dataset(tuple(users), tuple(orders))
 
 
+def order_json(order: Order) -> dict[str, Any]:
+    """GET /v1/orders/<id>'s body."""
+    return {
+        "id": order.id,
+        "user_id": order.user_id,
+        "status": order.status,
+        "date": order.date,
+        "items": [
+            {"product": i.product, "qty": i.qty, "unit_price_cents": i.unit_price_cents}
+            for i in order.items
+        ],
+    }
+
+
 class RateLimiter:
     """Token bucket: `burst` requests at once, refilled at `rate_per_s`."""
 
@@ -170,6 +184,7 @@ class ApiState:
         self.api_key = api_key
         self.limiter = limiter
         self.answers: dict[str, Any] = {}
+        self.served: list[tuple[str, str, int]] = []  # (method, path without query, status)
         self.unauthorized = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -192,6 +207,9 @@ class _Handler(BaseHTTPRequestHandler):
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> None:
         data = json.dumps(body).encode()
+        path = urllib.parse.urlsplit(self.path).path
+        # recorded before the reply goes out: a caller that has its reply finds it recorded
+        self.state.served.append((self.command, path, status))
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -199,7 +217,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
-        log.debug("%s %s -> %d", self.command, urllib.parse.urlsplit(self.path).path, status)
+        log.debug("%s %s -> %d", self.command, path, status)
 
     def _authorized(self) -> bool:
         given = self.headers.get("Authorization", "")
@@ -269,19 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
             if order is None:
                 self._send(404, {"error": f"no order {parts[2]}"})
                 return
-            self._send(
-                200,
-                {
-                    "id": order.id,
-                    "user_id": order.user_id,
-                    "status": order.status,
-                    "date": order.date,
-                    "items": [
-                        {"product": i.product, "qty": i.qty, "unit_price_cents": i.unit_price_cents}
-                        for i in order.items
-                    ],
-                },
-            )
+            self._send(200, order_json(order))
         else:
             self._send(404, {"error": f"no route GET {url.path}"})
 

@@ -6,7 +6,15 @@ and stderr (at most `max_runs` times); `submit(code)` grades the code once on th
 the cases run in one fresh sandbox run, and only their arguments enter the
 sandbox, the expected values stay on the host, which compares the JSON results.
 
-Reward = fraction of hidden cases passed by the first submission (0.0 without one).
+Task score = fraction of hidden cases passed by the first submission (0.0 without one).
+Levels (`level`, envs/levels.py):
+
+* `hard` (default): the problems of `PROBLEMS`, run_python and submit, 6 model calls; the
+  reward is the task score.
+* `easy`: one-line functions (`EASY_PROBLEMS`: "Write `def times_five(x)` that returns x
+  times 5."), submit only, one model call, after a prior exchange (another one-liner and the
+  submit call that solves it); the reward is 0.2 for a well-formed submit + 0.8 * the task
+  score, graded by the same hidden cases in the same sandbox.
 
 Sandboxes (`envs/code/sandbox.py`): `backend="auto"` uses a fresh container per run
 (`--network none`, read-only, memory/pids/CPU caps, no capabilities, a per-run uid) when an
@@ -18,7 +26,8 @@ a container (runtime: docker) reaches the engine through the host's socket when 
 sets `docker_socket: true` (recipes/cocktail.yaml): its sandboxes are sibling containers.
 
 Run: `make_env(backend="auto", image="jetctl-code", time_limit_s=5.0, memory_mb=512,
-pids=32, file_mb=8, max_runs=8)`, agent `agents.code:agent`.
+pids=32, file_mb=8, max_runs=8, level="hard", log_actions=False)`, agent
+`agents.code:agent`.
 Left out: third-party packages inside the sandbox, problems with float answers, stdin tasks.
 """
 

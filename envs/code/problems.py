@@ -203,3 +203,69 @@ PROBLEMS: tuple[Problem, ...] = (
         "    return [p for p in range(2, n) if all(p % d for d in range(2, int(p ** 0.5) + 1))]\n",
     ),
 )
+
+
+# ---------------------------------------------------------------------------- easy level
+# One-line functions, each stated in words the answer follows closely ("x times 5" is
+# `x * 5`). EASY_EXAMPLE is the prior exchange's problem and is never asked.
+
+_NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight",
+            9: "nine"}  # fmt: skip
+_XS = (0, 1, 4, -3, 10)
+
+
+def _arith(op: str, verb: str, n: int) -> Problem:
+    name = f"{op}_{_NUMBERS[n]}"
+    expr = {"add": f"x + {n}", "times": f"x * {n}", "minus": f"x - {n}"}[op]
+    value = {"add": lambda x: x + n, "times": lambda x: x * n, "minus": lambda x: x - n}[op]
+    return Problem(
+        id=f"easy-{name}",
+        function=name,
+        signature=f"def {name}(x)",
+        statement=f"returns x {verb} {n}",
+        cases=tuple(((x,), value(x)) for x in _XS),
+        reference=f"def {name}(x): return {expr}\n",
+    )
+
+
+def _one_liner(name: str, arg: str, statement: str, body: str, args: tuple[Any, ...],
+               value: Any) -> Problem:  # fmt: skip
+    return Problem(
+        id=f"easy-{name}",
+        function=name,
+        signature=f"def {name}({arg})",
+        statement=statement,
+        cases=tuple(((a,), value(a)) for a in args),
+        reference=f"def {name}({arg}): return {body}\n",
+    )
+
+
+_LISTS: tuple[Any, ...] = ([3, 1, 2], [5], [-1, 7, 7, 0], [2, 9])
+_WORDS: tuple[Any, ...] = ("abc", "Hello", "racecar", "x y")
+
+EASY_EXAMPLE = _arith("add", "plus", 2)
+EASY_PROBLEMS: tuple[Problem, ...] = (
+    *(_arith("add", "plus", n) for n in range(3, 10)),
+    *(_arith("times", "times", n) for n in range(2, 10)),
+    *(_arith("minus", "minus", n) for n in range(2, 10)),
+    _one_liner("square", "x", "returns x times x", "x * x", _XS, lambda x: x * x),
+    _one_liner("negate", "x", "returns minus x", "-x", _XS, lambda x: -x),
+    _one_liner("first", "items", "returns the first item of the list items", "items[0]",
+               _LISTS, lambda v: v[0]),
+    _one_liner("last", "items", "returns the last item of the list items", "items[-1]",
+               _LISTS, lambda v: v[-1]),
+    _one_liner("total", "items", "returns the sum of the list items", "sum(items)", _LISTS,
+               sum),
+    _one_liner("largest", "items", "returns the largest item of the list items", "max(items)",
+               _LISTS, max),
+    _one_liner("smallest", "items", "returns the smallest item of the list items",
+               "min(items)", _LISTS, min),
+    _one_liner("count", "items", "returns the number of items in the list items", "len(items)",
+               _LISTS, len),
+    _one_liner("shout", "text", "returns text in upper case", "text.upper()", _WORDS,
+               str.upper),
+    _one_liner("whisper", "text", "returns text in lower case", "text.lower()", _WORDS,
+               str.lower),
+    _one_liner("backwards", "text", "returns text reversed", "text[::-1]", _WORDS,
+               lambda t: t[::-1]),
+)  # fmt: skip

@@ -13,14 +13,24 @@ first browser tool call). Session tools, each returning text for the model:
     read()               the page's visible text, trimmed to max_chars
     links()              the page's links as `text -> path`
 
-`session.url` is the home page. Tasks (`kind`): `add` one named product, `add_qty` N of a
-named product, `cheapest` one of the cheapest product of a category (needs browsing the
-category's pages). Reward, from the server's cart, not from what the browser shows:
-1.0 the cart is exactly the goal, 0.5 the target product is in it with a wrong quantity or
-with other products, 0.0 otherwise.
+`session.url` is the home page. Levels (`level`, envs/levels.py):
+
+* `hard` (default): every tool above, 20 model calls, from the home page. Tasks (`kind`):
+  `add` one named product, `add_qty` N of a named product, `cheapest` one of the cheapest
+  product of a category (needs browsing the category's pages).
+* `easy`: one `click`. The browser opens the listing page (category, page) that shows the
+  task's product, and the site gives every listed product its own "Add <name>" button. The
+  conversation is a prior exchange (another product's task on its page, and the click that
+  adds it), then "Add one <name> to the cart." with the page's text as the browser reads it.
+
+Task score, from the server's cart, not from what the browser shows: 1.0 the cart is
+exactly the goal, 0.5 the target product is in it with a wrong quantity or with other
+products, 0.0 otherwise. Reward: hard, the task score; easy, 0.2 for a well-formed click +
+0.8 * the task score. `log_actions=True` prints each session's actions (envs/levels.py).
 
 Needs `apt-get install -y chromium chromium-driver` and `pip install 'jetctl[browser]'`.
-Run: `make_env(catalog_seed=0, max_chars=3000)`, agent `agents.web:agent`.
+Run: `make_env(catalog_seed=0, max_chars=3000, level="hard", log_actions=False)`, agent
+`agents.web:agent` (it takes the session's tools, opening and step budget).
 Left out: JavaScript-driven pages, logins and checkout, screenshots for vision models.
 """
 

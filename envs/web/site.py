@@ -9,6 +9,10 @@ Pages (plain HTML, no JavaScript):
                             (quantity input `#qty`, button "Add to cart") posting /cart/add
     /cart                   the cart, each line with a "Remove" button (POST /cart/remove)
 
+With `quick_add` (the easy level) every listed product also has its own button, "Add
+<product name>", that puts one in the cart (POST /cart/add, as the product page's form does);
+`page_size` sets how many products a listing page shows (PAGE_SIZE; the easy level, 3).
+
 The cart is the site's state (`Shop.cart`, product slug -> quantity) and is what the env
 scores. The catalogue is a pure function of `catalog_seed`.
 Left out: accounts, checkout, JavaScript-driven pages.
@@ -115,13 +119,29 @@ def _page(title: str, body: str) -> bytes:
     return doc.encode()
 
 
-def _listing(products: list[Product], page: int, base: str) -> str:
-    pages = max(1, -(-len(products) // PAGE_SIZE))
+def _quick_add(p: Product) -> str:
+    return (
+        "<form class='quick-add' action='/cart/add' method='post' style='display:inline'>"
+        f"<input type='hidden' name='slug' value='{p.slug}'><input type='hidden' name='qty' "
+        f"value='1'><button type='submit'>Add {html.escape(p.name)}</button></form>"
+    )
+
+
+def page_of(products: list[Product], product: Product, page_size: int = PAGE_SIZE) -> int:
+    """The listing page (1-based) that shows `product`."""
+    return products.index(product) // page_size + 1
+
+
+def _listing(
+    products: list[Product], page: int, base: str, quick_add: bool = False,
+    page_size: int = PAGE_SIZE,
+) -> str:  # fmt: skip
+    pages = max(1, -(-len(products) // page_size))
     page = min(max(page, 1), pages)
-    chunk = products[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
+    chunk = products[(page - 1) * page_size : page * page_size]
     items = "".join(
         f"<li class='product'><a href='/product/{p.slug}'>{html.escape(p.name)}</a> "
-        f"<span class='price'>{p.price}</span></li>"
+        f"<span class='price'>{p.price}</span>{' ' + _quick_add(p) if quick_add else ''}</li>"
         for p in chunk
     )
     sep = "&" if "?" in base else "?"
@@ -137,6 +157,8 @@ def _listing(products: list[Product], page: int, base: str) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     shop: Shop  # set on the per-server subclass
+    quick_add: bool  # likewise
+    page_size: int  # likewise
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib's name
         pass  # a rollout's stderr is not the place for access logs
@@ -155,6 +177,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _not_found(self) -> None:
         self._send(404, _page("Not found", "<p>No such page.</p>"))
+
+    def _listing(self, products: list[Product], page: int, base: str) -> str:
+        return _listing(products, page, base, self.quick_add, self.page_size)
 
     def do_GET(self) -> None:  # http.server's name
         self.shop.requests += 1
@@ -175,14 +200,14 @@ class _Handler(BaseHTTPRequestHandler):
             )
             self._send(200, _page("Shop", body))
         elif parts == ["products"]:
-            self._send(200, _page("All products", _listing(shop.catalog, page, "/products")))
+            self._send(200, _page("All products", self._listing(shop.catalog, page, "/products")))
         elif len(parts) == 2 and parts[0] == "category" and parts[1] in NOUNS:
             items = [p for p in shop.catalog if p.category == parts[1]]
-            self._send(200, _page(parts[1].title(), _listing(items, page, f"/category/{parts[1]}")))
+            self._send(200, _page(parts[1].title(), self._listing(items, page, f"/category/{parts[1]}")))
         elif parts == ["search"]:
             q = query.get("q", [""])[0]
             base = "/search?" + urllib.parse.urlencode({"q": q})
-            self._send(200, _page(f"Search: {q}", _listing(shop.search(q), page, base)))
+            self._send(200, _page(f"Search: {q}", self._listing(shop.search(q), page, base)))
         elif len(parts) == 2 and parts[0] == "product" and parts[1] in shop.by_slug:
             p = shop.by_slug[parts[1]]
             body = (
@@ -240,6 +265,11 @@ def _int(text: str, default: int) -> int:
 class ShopServer(LocalHTTPServer):
     """A Shop served on 127.0.0.1 (free port) from a daemon thread; `close()` stops it."""
 
-    def __init__(self, shop: Shop) -> None:
+    def __init__(self, shop: Shop, quick_add: bool = False, page_size: int = PAGE_SIZE) -> None:
         self.shop = shop
-        super().__init__(type("ShopHandler", (_Handler,), {"shop": shop}), "web-shop")
+        handler = type(
+            "ShopHandler",
+            (_Handler,),
+            {"shop": shop, "quick_add": quick_add, "page_size": page_size},
+        )
+        super().__init__(handler, "web-shop")

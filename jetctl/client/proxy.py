@@ -322,7 +322,7 @@ class Proxy:
         text = served.renderer.decode(ids, skip_special_tokens=True)
         if stopped:
             text = text_before_stop(text, stops)
-        reply = parse_tool_calls(text)
+        reply = parse_tool_calls(text, served.renderer.tool_call_formats)
         if reply.tool_calls:
             finish = "tool_calls"
         call = LLMCall(

@@ -15,8 +15,10 @@ messages. The past is never re-tokenized, so the ids the trainer sees are the id
 produced. Anything else (edited history, other tools, a template that rewrites earlier
 turns) renders fresh.
 
-Also here: `parse_tool_calls` (Hermes/Qwen `<tool_call>{json}</tool_call>` blocks ->
-OpenAI `tool_calls`) and `truncate_at_stop` (best-effort `stop` strings).
+Also here: `parse_tool_calls`, which turns the tool-call formats the served model's chat
+template declares (`tool_call_formats`: Hermes/Qwen/SmolLM2 `<tool_call>{json}</tool_call>`,
+Llama 3 JSON, Mistral `[TOOL_CALLS] [...]`) into the same OpenAI `tool_calls` for every model,
+and `truncate_at_stop` (best-effort `stop` strings).
 
 Pure logic over a Hugging Face tokenizer: no HTTP, no grpc.
 """
@@ -27,7 +29,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from jetctl.types import LLMCall
 
@@ -36,7 +38,10 @@ if TYPE_CHECKING:
 
 Message = dict[str, Any]
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# a closed block, or an unclosed one that runs to the end of the reply
+_TOOL_CALL_RE = re.compile(
+    r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.DOTALL
+)
 
 
 # ---------------------------------------------------------------------------- messages
@@ -103,6 +108,28 @@ def normalize_message(message: Any) -> Message:
 
 # ---------------------------------------------------------------------------- tool calls
 
+ToolCallFormat = Literal["hermes", "llama_json", "mistral"]
+
+# What in a chat template declares each format. A template that declares none (one that
+# cannot render tools) gets hermes, the format most open chat models are trained on.
+_DECLARED_BY: dict[ToolCallFormat, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),  # Hermes, Qwen2.5/3, SmolLM2/3 (builtin template)
+    "llama_json": ("<|python_tag|>", '"parameters": dictionary of argument name'),  # Llama 3.x
+    "mistral": ("[TOOL_CALLS]",),  # Mistral v3 ([TOOL_CALLS] [{"name", "arguments"}])
+}
+
+
+def tool_call_formats(chat_template: str | dict[str, str] | None) -> tuple[ToolCallFormat, ...]:
+    """The tool-call formats `chat_template` declares, in a fixed order (hermes if none).
+
+    A tokenizer with several named templates (a dict) declares what any of them declares.
+    """
+    if isinstance(chat_template, dict):
+        chat_template = "\n".join(chat_template.values())
+    template = chat_template or ""
+    declared = tuple(f for f, marks in _DECLARED_BY.items() if any(m in template for m in marks))
+    return declared or ("hermes",)
+
 
 @dataclass(frozen=True)
 class ParsedReply:
@@ -117,41 +144,100 @@ class ParsedReply:
         return normalize_message(raw)
 
 
-def parse_tool_calls(text: str) -> ParsedReply:
-    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of a completion.
+def _openai_call(obj: Any) -> dict[str, Any] | None:
+    """`{"name": str, "arguments"|"parameters": object or JSON text}` as an OpenAI tool call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, (dict, str)):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": obj["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
+    }
 
-    Blocks that are not JSON objects with a string `name` stay in the content untouched.
-    """
+
+def _calls_in_json(text: str) -> list[dict[str, Any]] | None:
+    """One call object or a list of them, as the whole of `text`; None if it is not that."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_openai_call(item) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+def _hermes(text: str) -> tuple[list[dict[str, Any]], str]:
+    """`<tool_call>{json}</tool_call>` blocks; the JSON may be one call or a list (SmolLM2's
+    own training format), and the last block may lack its closing tag (the model ended its
+    turn right after the JSON), as vLLM's hermes parser allows."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     pos = 0
     for m in _TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args
-                    if isinstance(args, str)
-                    else json.dumps(args, ensure_ascii=False),
-                },
-            }
-        )
+        found = _calls_in_json(m.group(1) if m.group(1) is not None else m.group(2))
+        if found is None:
+            continue  # not a call: the block stays in the content untouched
+        calls += found
         kept.append(text[pos : m.start()])
         pos = m.end()
     kept.append(text[pos:])
-    if not calls:
-        return ParsedReply(content=text, tool_calls=[])
-    content = "".join(kept).strip()
-    return ParsedReply(content=content or None, tool_calls=calls)
+    return calls, "".join(kept)
+
+
+def _llama_json(text: str) -> tuple[list[dict[str, Any]], str]:
+    """The whole reply is `{"name": ..., "parameters": {...}}` (several joined by `;`),
+    optionally after `<|python_tag|>`: Llama 3.1-3.3's JSON tool calling."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return [], text
+    whole = _calls_in_json(body)
+    if whole is not None:
+        return whole, ""
+    calls: list[dict[str, Any]] = []
+    for part in body.split(";"):
+        found = _calls_in_json(part.strip())
+        if found is None:
+            return [], text  # not calls: keep it all as content
+        calls += found
+    return calls, ""
+
+
+def _mistral(text: str) -> tuple[list[dict[str, Any]], str]:
+    """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` at the end of the reply. The
+    marker is a special token, so a reply decoded without special tokens may be the list
+    alone: a reply that is exactly such a list counts too."""
+    at = text.find("[TOOL_CALLS]")
+    head, body = (text[:at], text[at + len("[TOOL_CALLS]") :]) if at >= 0 else ("", text)
+    if not body.strip().startswith("["):
+        return [], text
+    found = _calls_in_json(body.strip())
+    return (found, head) if found is not None else ([], text)
+
+
+_PARSERS = {"hermes": _hermes, "llama_json": _llama_json, "mistral": _mistral}
+
+
+def parse_tool_calls(text: str, formats: tuple[ToolCallFormat, ...] = ("hermes",)) -> ParsedReply:
+    """Split the tool calls of `formats` (see `tool_call_formats`) out of a completion.
+
+    The first format that finds a call wins. A call is a JSON object with a non-empty string
+    `name` and `arguments` (or Llama's `parameters`) that is an object or JSON text; anything
+    else stays in the content untouched. Every format gives the same OpenAI `tool_calls`.
+    """
+    for fmt in formats:
+        calls, rest = _PARSERS[fmt](text)
+        if calls:
+            content = rest.strip()
+            return ParsedReply(content=content or None, tool_calls=calls)
+    return ParsedReply(content=text, tool_calls=[])
 
 
 def truncate_at_stop(
@@ -226,6 +312,7 @@ class ChatRenderer:
         self.eos_token_ids = list(eos_token_ids) or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
+        self.tool_call_formats = tool_call_formats(getattr(tokenizer, "chat_template", None))
         self._eot_text: str = (
             str(tokenizer.decode(self.eos_token_ids[:1], skip_special_tokens=False))
             if self.eos_token_ids

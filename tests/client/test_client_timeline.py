@@ -10,9 +10,11 @@ import pytest
 from jetctl.client.timeline import (
     ChatRenderer,
     Timeline,
+    ToolCallFormat,
     Turn,
     normalize_message,
     parse_tool_calls,
+    tool_call_formats,
     tools_key,
     truncate_at_stop,
 )
@@ -131,6 +133,71 @@ def test_parse_tool_calls() -> None:
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in reply.tool_calls)
     broken = parse_tool_calls("<tool_call>not json</tool_call>")
     assert broken.tool_calls == [] and broken.content == "<tool_call>not json</tool_call>"
+
+
+# What real chat templates say about tool calls, trimmed to the sentence that declares the
+# format (Llama 3.1's system prompt; Mistral v3's assistant turn).
+LLAMA_TEMPLATE = (
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}. Do not use variables.' }}{{- '<|python_tag|>' }}"
+)
+MISTRAL_TEMPLATE = "{{- '[TOOL_CALLS] [' }}{%- for tool in message.tool_calls %}{%- endfor %}"
+
+
+def test_tool_call_formats_are_the_ones_the_template_declares() -> None:
+    from jetctl.models import chatml_template
+
+    assert tool_call_formats(chatml_template()) == ("hermes",)  # builtin SmolLM2 and tiny
+    assert tool_call_formats(LLAMA_TEMPLATE) == ("llama_json",)
+    assert tool_call_formats(MISTRAL_TEMPLATE) == ("mistral",)
+    assert tool_call_formats({"default": "x", "tool_use": MISTRAL_TEMPLATE}) == ("mistral",)
+    # a template that cannot render tools declares nothing: the common format
+    assert tool_call_formats("{{ messages[0].content }}") == ("hermes",)
+    assert tool_call_formats(None) == ("hermes",)
+
+
+@pytest.mark.parametrize(
+    ("formats", "text"),
+    [
+        (("hermes",), '<tool_call>\n{"name": "click", "arguments": {"target": "Add"}}\n</tool_call>'),
+        (("hermes",), '<tool_call>[{"name": "click", "arguments": {"target": "Add"}}]</tool_call>'),
+        (("hermes",), '<tool_call>\n{"name": "click", "arguments": {"target": "Add"}}\n'),
+        (("hermes",), '<tool_call>{"name": "click", "parameters": {"target": "Add"}}</tool_call>'),
+        (("llama_json",), '{"name": "click", "parameters": {"target": "Add"}}'),
+        (("llama_json",), '<|python_tag|>{"name": "click", "parameters": {"target": "Add"}}'),
+        (("mistral",), '[TOOL_CALLS] [{"name": "click", "arguments": {"target": "Add"}}]'),
+        (("mistral",), '[{"name": "click", "arguments": {"target": "Add"}}]'),
+    ],
+)
+def test_every_declared_format_gives_the_same_openai_tool_call(
+    formats: tuple[ToolCallFormat, ...], text: str
+) -> None:
+    reply = parse_tool_calls(text, formats)
+    assert reply.content is None
+    assert [c["function"] for c in reply.tool_calls] == [
+        {"name": "click", "arguments": '{"target": "Add"}'}
+    ]
+
+
+def test_text_in_a_format_the_template_does_not_declare_stays_content() -> None:
+    llama = '{"name": "click", "parameters": {"target": "Add"}}'
+    hermes = f"<tool_call>{llama}</tool_call>"
+    assert parse_tool_calls(llama, ("hermes",)).tool_calls == []
+    assert parse_tool_calls(hermes, ("llama_json",)).content == hermes
+    assert parse_tool_calls(llama, ("mistral",)).content == llama
+    # half a call, a nameless one, arguments that are neither object nor text
+    for text in (
+        '<tool_call>{"name": "click", "arguments": {"target": ',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "click", "arguments": 3}</tool_call>',
+        '<tool_call>[{"name": "click"}, 7]</tool_call>',
+    ):
+        assert parse_tool_calls(text).tool_calls == [], text
+    # a ';' inside a string is not a separator; two calls joined by ';' are two calls
+    named = parse_tool_calls('{"name": "a; b", "parameters": {}}', ("llama_json",))
+    assert [c["function"]["name"] for c in named.tool_calls] == ["a; b"]
+    two = parse_tool_calls('{"name": "a", "parameters": {}}; {"name": "b"}', ("llama_json",))
+    assert [c["function"]["name"] for c in two.tool_calls] == ["a", "b"]
 
 
 def test_truncate_at_stop(tokenizer: Any) -> None:

@@ -44,3 +44,37 @@ def test_reward_curve_csv_and_png(tmp_path: Path) -> None:
 def test_no_steps_writes_nothing(tmp_path: Path) -> None:
     assert write_reward_curve(tmp_path) is None
     assert not (tmp_path / "reward_curve.csv").exists()
+
+
+def test_reward_by_task_is_each_tasks_groups_from_the_store(tmp_path: Path) -> None:
+    """Per task: every accepted group's mean reward in the order received, and the trailing
+    mean of the last 32 (what `jetctl status` shows); refused groups are left out."""
+    from jetctl.proto.convert import group_to_pb
+    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from tests.factories import make_group
+
+    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite", decode=GroupCodec())
+    store.open(trained_through_step=0)
+    try:
+        for i in range(40):  # web rises from 0 to 1 over 40 groups; api stays at 0.5
+            web = make_group(task="web", rewards=(0.0, i / 39))
+            store.put(web, group_to_pb(web).SerializeToString()).result(5)
+            api = make_group(task="api", rewards=(0.5, 0.5))
+            store.put(api, group_to_pb(api).SerializeToString()).result(5)
+        refused = make_group(task="web", rewards=(9.0, 9.0))
+        store.put(refused, b"", "stale", "stale: lag 9").result(5)
+        expected_last32 = store.reward_by_task()
+    finally:
+        store.close()
+
+    assert write_reward_curve(tmp_path) is None  # no steps yet, but the task curve is written
+    with open(tmp_path / "reward_by_task.csv") as f:
+        rows = list(csv.DictReader(f))
+    web_rows = [r for r in rows if r["task"] == "web"]
+    assert [int(r["group"]) for r in web_rows] == list(range(1, 41))
+    assert float(web_rows[0]["reward"]) == 0.0 and float(web_rows[-1]["reward"]) == 0.5
+    for task in ("web", "api"):
+        last = [r for r in rows if r["task"] == task][-1]
+        assert float(last["reward_last32"]) == pytest.approx(expected_last32[task], abs=1e-6)
+    png = (tmp_path / "reward_by_task.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

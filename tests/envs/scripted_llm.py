@@ -1,10 +1,11 @@
 """A scripted model behind the real OpenAI-compatible proxy, for the tool-loop agent tests.
 
-`ScriptedEndpoint(script)` serves `jetctl.client.proxy.Proxy` on loopback (its event loop in
+`ScriptedEndpoint(script, chat_template=None)` serves `jetctl.client.proxy.Proxy` on loopback (its event loop in
 a thread) with builtin:tiny's tokenizer and chat template and a backend that, instead of a
 model, answers each prompt with `script(prompt_text)` tokenized (then end of turn). So a
 scripted `<tool_call>{...}</tool_call>` goes through the same parsing as a real model's,
-and the agent sees OpenAI tool_calls. `prompts` holds every rendered prompt and `timeline`
+and the agent sees OpenAI tool_calls. `chat_template` replaces the tokenizer's, to serve a
+model whose template declares another tool-call format. `prompts` holds every rendered prompt and `timeline`
 the recorded calls.
 """
 
@@ -16,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from jetctl.client.proxy import GenerateParams, GenerateResult, Proxy, ServedModel
+from jetctl.client.proxy import GenerateParams, GenerateResult, Proxy, Sampling, ServedModel
 from jetctl.client.timeline import ChatRenderer, Timeline
 from jetctl.env import LLM
 
@@ -53,15 +54,18 @@ class _ScriptedBackend:
 class ScriptedEndpoint:
     """Start with `with ScriptedEndpoint(script) as endpoint:`; `endpoint.llm` for the agent."""
 
-    def __init__(self, script: Callable[[str], str]) -> None:
+    def __init__(self, script: Callable[[str], str], chat_template: str | None = None) -> None:
         from jetctl.models import build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         assert isinstance(eos, int)
         self.backend = _ScriptedBackend(tokenizer, eos, script)
         served = ServedModel("policy", ChatRenderer(tokenizer, [eos]), self.backend, 1_000_000)
-        self.proxy = Proxy({"policy": served}, "policy")
+        # agents leave max_tokens to the endpoint: a script is never cut short
+        self.proxy = Proxy({"policy": served}, "policy", Sampling(max_tokens=100_000))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.timeline: Timeline | None = None
