@@ -191,6 +191,26 @@ class GenerationConfig(_Strict):
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"
     )
+    device: str | None = Field(
+        default=None,
+        description="device of the engine's own copy of the weights, e.g. cuda:1, refreshed "
+        "after each optimizer step (null: engine hf generates on the trainer's model object; "
+        "engine continuous keeps its copy on the trainer's device)",
+    )
+    publish_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="deadline of one weight publish to an engine with its own copy (waiting "
+        "for the requests under way included); a miss is logged and retried, and 3 steps in "
+        "a row without a publish stop the server",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE.match(value):
+            raise ValueError("must be cpu, cuda, cuda:N or mps (or null)")
+        return value
 
 
 class LimitsConfig(_Strict):
@@ -209,9 +229,10 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="weight dtype"
     )
-    engine: Literal["hf", "vllm"] = Field(
+    engine: Literal["hf", "continuous", "vllm"] = Field(
         default="hf",
-        description="inference engine: hf (dynamic batching of HF generate) or vllm "
+        description="inference engine: hf (dynamic batching of HF generate), continuous "
+        "(transformers' continuous batching with a paged KV cache; for CUDA) or vllm "
         "(experimental; needs vllm installed, CUDA)",
     )
     finetune: Literal["lora", "full"] = Field(
@@ -287,6 +308,7 @@ class SamplingConfig(_Strict):
     )
 
 
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 _ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _BYTE_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?[bkmg]?$", re.IGNORECASE)
 

@@ -517,6 +517,8 @@ ROWS: dict[str, Row] = {
     "models.<name>.dtype": Effect(model_dtype),
     "models.<name>.engine": CoveredBy((
         "tests/server/test_engines.py::test_the_recipe_picks_the_engine",
+        "tests/server/test_engines.py::test_concurrent_replies_are_their_versions_tokens_and_logprobs",
+        "tests/server/test_engines.py::test_engine_vllm_needs_cuda_and_says_so",
         "tests/test_recipe.py::test_engine_vllm_is_refused_where_vllm_is_not_importable",
     )),
     "models.<name>.finetune": Effect(model_finetune),
@@ -556,6 +558,14 @@ ROWS: dict[str, Row] = {
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
+    "models.<name>.generation.device": CoveredBy((
+        "tests/server/test_engines.py::test_each_reply_is_exact_to_the_version_it_names_while_weights_change",
+        "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
+    )),
+    "models.<name>.generation.publish_timeout_s": CoveredBy((
+        "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
+        "tests/server/test_engine_replica.py::test_continuous_publish_waits_for_the_request_in_flight_or_misses",
+    )),
     "models.<name>.limits.max_message_bytes": Served(served_max_message_bytes),
     "models.<name>.host": Served(served_host),
     "models.<name>.port": Effect(run_token_and_ports, integration=True),

@@ -62,6 +62,7 @@ async def serve(opts: ServerOptions) -> int:
     ckpt_dir = cfg.checkpoint.dir or str(paths.checkpoints(opts.name))  # or a URL
 
     t0 = time.monotonic()
+    check_devices(opts.name, cfg)
     model, tokenizer = load_trainable(cfg)
     metrics = ServerMetrics()
     lock = threading.Lock()
@@ -81,11 +82,13 @@ async def serve(opts: ServerOptions) -> int:
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    engine = make_engine(
+    serving = make_engine(
         cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
         version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
     )
+    engine = serving.engine
+    trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
     vocab = int(model.get_input_embeddings().weight.shape[0])
     service = SwarmService(
         model_name=opts.name,
@@ -175,6 +178,23 @@ async def serve(opts: ServerOptions) -> int:
     store.close()
     httpd.shutdown()
     return 1 if trainer.error is not None else 0
+
+
+def check_devices(name: str, cfg: ModelConfig) -> None:
+    """A CUDA device the recipe names must exist here: one line that says so, not a traceback."""
+    import torch
+
+    for key, device in (("device", cfg.device), ("generation.device", cfg.generation.device)):
+        if device is None or not device.startswith("cuda"):
+            continue
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= count:
+            raise SystemExit(
+                f"models.{name}.{key}: {device!r}, but torch {torch.__version__} sees "
+                f"{count} CUDA device(s) here (CUDA build: {torch.version.cuda or 'no'}); "
+                "use device: cpu, or run the server on a machine with that GPU"
+            )
 
 
 def _stalled(train_since: float | None, generate_since: float | None, limit_s: float) -> str:

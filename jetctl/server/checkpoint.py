@@ -172,8 +172,10 @@ def restore(
         manifest["files"]["weights.safetensors"],
     )
     W.load_trainable_state(model, state)
+    # saved on a GPU, resumed anywhere: load onto the CPU, and the optimizer moves each
+    # state tensor to its parameter's device
     opt = torch.load(io.BytesIO(fs.cat_file(posixpath.join(found, "optimizer.pt"))),
-                     weights_only=False)
+                     map_location="cpu", weights_only=False)
     optimizer.load_state_dict(opt["optimizer"])
     torch.set_rng_state(opt["torch_rng"])
     trainer_state = json.loads(fs.cat_file(posixpath.join(found, "trainer_state.json")))

@@ -37,7 +37,7 @@ from jetctl.faults import Faults
 from jetctl.models import AttnImplementation
 from jetctl.recipe import ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
-from jetctl.server import merge
+from jetctl.server import memory, merge
 from jetctl.server import weights as W
 from jetctl.server.adapter import adapter_mode
 from jetctl.server.algorithms.grpo import LossStats, group_advantages, grpo_loss
@@ -148,6 +148,7 @@ class Trainer:
         steps_log: Path,
         on_step: Callable[[dict[str, float]], None] | None = None,
         faults: Faults | None = None,
+        publish: Callable[[int], float] | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -162,6 +163,10 @@ class Trainer:
                 "train.kl_coef > 0 needs finetune: lora (the reference is the base model with "
                 "the adapter off); full fine-tuning keeps no reference copy"
             )
+        # an engine with its own copy of the weights: called after each optimizer step
+        # (engines/replica.py: bounded by its deadline; raises when it stays unreachable)
+        self.publish = publish
+        self.device = next(model.parameters()).device
         params = [p for p in model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -243,6 +248,7 @@ class Trainer:
         tc = self.cfg.train
         t0 = time.monotonic()
         version_before = self.version
+        memory.reset_peak(self.device)
         sequences: list[merge.TrainSequence] = []
         naive: list[merge.TrainSequence] = []
         rewards: list[float] = []
@@ -274,6 +280,9 @@ class Trainer:
         t_train = time.monotonic() - t0
         ids = [s.group.id for s in batch]
         self.store.mark_trained(ids, self.version)
+        publish_s = 0.0
+        if self.publish is not None and self.version != version_before:
+            publish_s = self.publish(self.version)
 
         n_traj = sum(len(s.group.trajectories) for s in batch)
         f = self.figures
@@ -299,9 +308,11 @@ class Trainer:
                 "staleness/max": float(max(lags)),
                 "timing/wait_s": wait_s,
                 "timing/train_s": t_train,
+                "timing/publish_s": publish_s,
                 "buffer/depth": float(self.store.buffer_depth),
             }
         )
+        scalars.update(memory.memory_figures(self.device))
         if "num_tokens" in scalars and t_train > 0:
             scalars["tokens_per_second"] = scalars["num_tokens"] / t_train
         f.last_step = scalars

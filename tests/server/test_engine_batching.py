@@ -36,7 +36,7 @@ def engine(sizes: list[int], lock: threading.Lock | None = None, **generation: A
     return make_engine(
         cfg, model, eos_token_ids=[eos], pad_token_id=eos, weights_lock=lock or threading.Lock(),
         version=lambda: 0, on_batch=lambda n, _tokens, _s: sizes.append(n),
-    )
+    ).engine
 
 
 def request(i: int, temperature: float = 1.0) -> GenRequest:

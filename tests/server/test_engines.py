@@ -31,6 +31,7 @@ class Served:
     """An engine on builtin:tiny, the trainer-side model it serves, and each version's weights."""
 
     engine: Engine
+    publish: Callable[[int], float] | None
     model: Any
     lock: threading.Lock
     eos: int
@@ -38,13 +39,15 @@ class Served:
     version: int = 0
 
     def step(self, seed: int) -> None:
-        """A fake optimizer step: perturb every weight under the lock, version += 1."""
+        """A fake optimizer step: perturb every weight under the lock, version += 1, publish."""
         gen = torch.Generator().manual_seed(seed)
         with self.lock, torch.no_grad():
             for p in self.model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
             self.version += 1
             self.versions[self.version] = _state(self.model)
+        if self.publish is not None:
+            self.publish(self.version)
 
     @torch.no_grad()
     def reference_logprobs(self, version: int, prompt: list[int], completion: list[int]) -> list[float]:
@@ -52,8 +55,8 @@ class Served:
         current = _state(self.model)
         with self.lock:
             self.model.load_state_dict(self.versions[version])
-            ids = torch.tensor([prompt + completion])
-            logits = self.model(input_ids=ids).logits.float()[0]  # [T, V]
+            ids = torch.tensor([prompt + completion], device=self.model.device)
+            logits = self.model(input_ids=ids).logits.float()[0].cpu()  # [T, V]
             self.model.load_state_dict(current)
         lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
         return lp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
@@ -63,27 +66,42 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-ENGINES = ["hf"]  # every engine that runs on a CPU; the CUDA ones run in tests/gpu
+# every engine that runs on a CPU (the CUDA runs are tests/gpu): hf on the trainer's model,
+# hf on a replica (what a second GPU gets), and transformers' continuous batching
+ENGINES: dict[str, dict[str, Any]] = {
+    "hf": {"engine": "hf"},
+    "hf-replica": {"engine": "hf", "generation": GenerationConfig(device="cpu")},
+    "continuous": {"engine": "continuous"},
+}
 
 
-@pytest.fixture(params=ENGINES)
-async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+def serve(engine: str, device: str = "cpu", **overrides: Any) -> Served:
     from jetctl.models import load_model
 
-    model, tokenizer = load_model("builtin:tiny", attn_implementation="jetctl_tree", progress=False)
-    cfg = ModelConfig(model="builtin:tiny", engine=request.param)
+    model, tokenizer = load_model(
+        "builtin:tiny", device=device, attn_implementation="jetctl_tree", progress=False
+    )
+    for p in model.parameters():
+        p.requires_grad_(True)  # a full fine-tune: every tensor is published
+    cfg = ModelConfig(model="builtin:tiny", device=device, **{**ENGINES[engine], **overrides})
     lock = threading.Lock()
     box: list[Served] = []
-    engine = make_engine(
+    serving = make_engine(
         cfg, model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-        weights_lock=lock, version=lambda: box[0].version,
+        weights_lock=lock, version=lambda: box[0].version if box else 0,
     )
-    s = Served(engine, model, lock, tokenizer.eos_token_id)
+    s = Served(serving.engine, serving.publish, model, lock, tokenizer.eos_token_id)
     s.versions[0] = _state(model)
     box.append(s)
-    engine.start()
+    return s
+
+
+@pytest.fixture(params=list(ENGINES))
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    s = serve(request.param)
+    s.engine.start()
     yield s
-    await engine.stop()
+    await s.engine.stop()
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -91,7 +109,7 @@ def prompts(n: int) -> list[list[int]]:
     return [torch.randint(5, 700, (3 + (i * 5) % 17,), generator=gen).tolist() for i in range(n)]
 
 
-def check_reply(s: Served, req: GenRequest, res: GenResult) -> None:
+def check_reply(s: Served, req: GenRequest, res: GenResult, tol: float = LOGPROB_TOL) -> None:
     assert 1 <= len(res.completion_ids) <= req.max_tokens
     assert len(res.completion_logprobs) == len(res.completion_ids)
     stops = {s.eos, *req.stop_token_ids}
@@ -102,7 +120,7 @@ def check_reply(s: Served, req: GenRequest, res: GenResult) -> None:
         assert res.finish_reason == "length" and len(res.completion_ids) == req.max_tokens
         assert not stops & set(res.completion_ids)
     ref = s.reference_logprobs(res.model_version, req.prompt_ids, res.completion_ids)
-    assert res.completion_logprobs == pytest.approx(ref, abs=LOGPROB_TOL)
+    assert res.completion_logprobs == pytest.approx(ref, abs=tol)
 
 
 async def test_concurrent_replies_are_their_versions_tokens_and_logprobs(served: Served) -> None:
@@ -163,19 +181,34 @@ async def test_cancelled_requests_leave_the_engine_serving(served: Served) -> No
         check_reply(served, req, res)
 
 
-async def test_stop_fails_what_is_queued_instead_of_hanging(served: Served) -> None:
-    blocker: Callable[[], None] = served.lock.release
-    served.lock.acquire()  # a long optimizer step: the running batch waits for the weights
+async def test_stop_fails_what_is_under_way_instead_of_hanging(served: Served) -> None:
+    reqs = [GenRequest(p, max_tokens=48, temperature=1.0, top_p=1.0) for p in prompts(40)]
+    calls = [asyncio.create_task(served.engine.generate(r)) for r in reqs]
+    await asyncio.sleep(0.3)  # some run, most wait
+    await served.engine.stop()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert failed and all("stopped" in str(o) for o in failed), failed[:3]
+    for req, res in zip(reqs, outcomes):
+        if isinstance(res, GenResult):
+            check_reply(served, req, res)
+
+
+async def test_hf_stop_fails_the_batch_waiting_for_the_weights() -> None:
+    """The batch under way holds no result yet when the trainer holds the weights: stop must
+    fail it too (it hung forever before)."""
+    s = serve("hf")
+    s.engine.start()
+    s.lock.acquire()  # a long optimizer step: the running batch waits for the weights
     try:
         reqs = [GenRequest(p, max_tokens=4, temperature=1.0, top_p=1.0) for p in prompts(40)]
-        calls = [asyncio.create_task(served.engine.generate(r)) for r in reqs]
+        calls = [asyncio.create_task(s.engine.generate(r)) for r in reqs]
         await asyncio.sleep(0.2)
-        await served.engine.stop()
+        await s.engine.stop()
     finally:
-        blocker()
+        s.lock.release()
     outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
-    failed = [o for o in outcomes if isinstance(o, Exception)]
-    assert failed and all("stopped" in str(o) for o in failed)
+    assert all(isinstance(o, RuntimeError) and "stopped" in str(o) for o in outcomes)
 
 
 def test_the_recipe_picks_the_engine() -> None:
@@ -188,4 +221,14 @@ def test_the_recipe_picks_the_engine() -> None:
         model=None, eos_token_ids=[2], pad_token_id=2, weights_lock=threading.Lock(),
         version=lambda: 0,
     )
-    assert isinstance(engine, HFEngine) and engine.max_batch_size == 3
+    assert isinstance(engine.engine, HFEngine) and engine.engine.max_batch_size == 3
+    assert engine.publish is None  # it reads the trainer's own weights
+
+
+def test_engine_vllm_needs_cuda_and_says_so() -> None:
+    cfg = ModelConfig(model="builtin:tiny").model_copy(update={"engine": "vllm"})
+    with pytest.raises(SystemExit, match="engine: vllm runs on CUDA.*use engine: hf"):
+        make_engine(
+            cfg, torch.nn.Linear(2, 2), eos_token_ids=[2], pad_token_id=2,
+            weights_lock=threading.Lock(), version=lambda: 0,
+        )

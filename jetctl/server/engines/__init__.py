@@ -1,20 +1,35 @@
 """Inference engines behind one contract (`base.Engine`), picked by `models.<m>.engine`.
 
-    hf    engines/hf.py: dynamic batching of HF `generate` on the trainer's own model object
+    hf          engines/hf.py: dynamic batching of HF `generate`, on the trainer's own model
+                object, or on a replica when `generation.device` is set (a second GPU)
+    continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
+                always on a replica (`generation.device`, else the trainer's device)
+    vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)
 
-`make_engine` is the only place that knows the names; the service sees an `Engine`.
+`make_engine` is the only place that knows the names. It returns the engine and, for an
+engine with its own copy of the weights, the `publish(version)` the trainer calls after
+each optimizer step (engines/replica.py: under `generation.publish_timeout_s`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from jetctl.recipe import ModelConfig
 from jetctl.server.engines.base import Engine, GenRequest, GenResult
 
-__all__ = ["Engine", "GenRequest", "GenResult", "make_engine"]
+if TYPE_CHECKING:  # the engines import without pydantic (scripts/gpu_check.sh)
+    from jetctl.recipe import ModelConfig
+
+__all__ = ["Engine", "GenRequest", "GenResult", "ServingEngine", "make_engine"]
+
+
+@dataclass
+class ServingEngine:
+    engine: Engine
+    publish: Callable[[int], float] | None  # None: the engine reads the trainer's weights
 
 
 def make_engine(
@@ -26,17 +41,44 @@ def make_engine(
     weights_lock: threading.Lock,
     version: Callable[[], int],
     on_batch: Callable[[int, int, float], None] | None = None,
-) -> Engine:
-    """The engine `cfg.engine` names, serving `model` (shared with the trainer)."""
-    if cfg.engine == "hf":
-        from jetctl.server.engines.hf import HFEngine
+) -> ServingEngine:
+    """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`."""
+    from jetctl.server.engines.hf import HFEngine
+    from jetctl.server.engines.replica import Replica
 
-        return HFEngine(
-            model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-            weights_lock=weights_lock, version=version,
-            max_batch_size=cfg.generation.max_batch_size,
-            batch_wait_ms=cfg.generation.batch_wait_ms, on_batch=on_batch,
+    gen = cfg.generation
+    if cfg.engine == "hf" and gen.device is None:
+        return ServingEngine(
+            HFEngine(
+                model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                weights_lock=weights_lock, version=version,
+                max_batch_size=gen.max_batch_size, batch_wait_ms=gen.batch_wait_ms,
+                on_batch=on_batch,
+            ),
+            publish=None,
         )
-    raise ValueError(
-        f"engine: {cfg.engine!r} is not available in this server yet; use engine: hf"
+    if cfg.engine == "vllm":
+        from jetctl.server.engines.vllm import VLLMEngine
+
+        vllm = VLLMEngine(cfg, model, eos_token_ids=eos_token_ids, version=version())
+        return ServingEngine(vllm, publish=vllm.publish)
+    lock = threading.Lock()  # hf: held around each generate batch; continuous: replaced
+    replica = Replica(
+        model, device=gen.device or cfg.device, version=version(),
+        timeout_s=gen.publish_timeout_s, gate=lock,
     )
+    if cfg.engine == "hf":
+        engine: Engine = HFEngine(
+            replica.model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+            weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
+            batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch,
+        )
+        return ServingEngine(engine, publish=replica.publish)
+    from jetctl.server.engines.continuous import ContinuousEngine
+
+    engine = ContinuousEngine(
+        replica, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+        max_batch_size=gen.max_batch_size, max_new_tokens=gen.max_new_tokens,
+        batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch,
+    )
+    return ServingEngine(engine, publish=replica.publish)

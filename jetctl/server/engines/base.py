@@ -43,7 +43,9 @@ class GenResult:
 
 
 class Engine(Protocol):
-    busy_since: float | None
+    @property
+    def busy_since(self) -> float | None:
+        """Monotonic start of the work under way; None when idle."""
 
     def start(self) -> None:
         """Begin serving; called from inside the server's running event loop."""

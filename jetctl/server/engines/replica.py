@@ -1,0 +1,156 @@
+"""An engine's own copy of the trainer's model, refreshed after each optimizer step under a deadline.
+
+Engines that do not generate on the trainer's model object (a second GPU, or a continuous
+batching loop that must not see weights change under a running request) serve a `Replica`:
+a deep copy of the trainer's model on `device`, with its own version. After each optimizer
+step the trainer thread calls `publish(version)`:
+
+    acquire the engine's gate, at most `timeout_s`    (the engine finishes what it is running)
+    copy the trainable tensors trainer -> replica       (LoRA: the adapter only; full: all)
+    replica.version = version; release the gate
+
+The gate is whatever the engine holds while it generates (a lock around each `generate`
+batch, or a drain of the continuous-batching loop), so every reply is computed entirely at
+the version it names. A publish that misses its deadline is logged as an error and retried
+once; if both attempts miss, the engine keeps serving the older version (its replies still
+name it exactly, and the staleness gate bounds how old it may get) and the next step tries
+again. `max_misses` steps in a row without a publish raise `PublishError`: the trainer stops
+and the server exits, as for a crash, rather than train on while generation never catches up.
+
+Left out: copying over a separate CUDA stream while the engine keeps generating (double
+buffering); a copy that hangs inside the device itself is caught by the server's stall
+watchdog, not here.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger("jetctl.server.engines")
+
+
+class PublishError(RuntimeError):
+    """Weights could not reach the engine within the deadline, `max_misses` steps in a row."""
+
+
+class Gate(Protocol):
+    """What the engine holds while it generates; `threading.Lock` is one."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass
+class PublishFigures:
+    published: int = 0
+    missed_attempts: int = 0
+    misses_in_a_row: int = 0
+    last_s: float = 0.0  # seconds of the last successful publish (gate wait + copy)
+    last_copy_s: float = 0.0  # of which the copy
+    history_s: list[float] = field(default_factory=list)  # recent publish times (bench)
+
+
+class Replica:
+    """A copy of `source` on `device` that an engine generates from; `publish` refreshes it."""
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        device: str,
+        version: int,
+        timeout_s: float,
+        max_misses: int = 3,
+        gate: Gate | None = None,
+    ) -> None:
+        self.source = source
+        self.device = torch.device(device)
+        self.model = copy.deepcopy(source).to(self.device)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.version = version
+        self.timeout_s = timeout_s
+        self.max_misses = max_misses
+        self.gate: Gate = gate if gate is not None else threading.Lock()
+        self.figures = PublishFigures()
+        self._pairs = self._trainable_pairs()
+
+    def _trainable_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(trainer tensor, replica tensor) for every tensor training changes."""
+        mine = dict(self.model.named_parameters())
+        pairs = [(p, mine[n]) for n, p in self.source.named_parameters() if p.requires_grad]
+        if not pairs:
+            raise ValueError("the trainer's model has no trainable parameters to publish")
+        return pairs
+
+    def serving_version(self) -> int:
+        """The version the replica holds; raises while a failed copy left it incomplete."""
+        if self.version < 0:
+            raise RuntimeError(
+                "the engine's weights are incomplete (a publish failed halfway); "
+                "the server stops at the trainer's next step"
+            )
+        return self.version
+
+    def set_gate(self, gate: Gate) -> None:
+        """The engine built on this replica says what it holds while generating."""
+        self.gate = gate
+
+    @torch.no_grad()
+    def copy_weights(self) -> float:
+        """Copy the trainable tensors now (the caller holds the gate); returns seconds."""
+        t0 = time.perf_counter()
+        for src, dst in self._pairs:
+            dst.copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def publish(self, version: int) -> float:
+        """Make `version` (the trainer's weights right now) the replica's; returns seconds.
+
+        Two attempts of `timeout_s` each; raises `PublishError` after `max_misses` steps in a
+        row without a publish.
+        """
+        t0 = time.perf_counter()
+        for attempt in (1, 2):
+            if self.gate.acquire(timeout=self.timeout_s):
+                try:
+                    self.version = -1  # a copy that fails halfway leaves no version to claim
+                    copy_s = self.copy_weights()
+                    self.version = version
+                finally:
+                    self.gate.release()
+                f = self.figures
+                f.published += 1
+                f.misses_in_a_row = 0
+                f.last_s = time.perf_counter() - t0
+                f.last_copy_s = copy_s
+                f.history_s = (f.history_s + [f.last_s])[-64:]
+                return f.last_s
+            self.figures.missed_attempts += 1
+            log.error(
+                "publishing version %d to the engine on %s missed its %.1fs deadline "
+                "(attempt %d of 2): the engine did not let go of the weights",
+                version, self.device, self.timeout_s, attempt,
+            )
+        self.figures.misses_in_a_row += 1
+        if self.figures.misses_in_a_row >= self.max_misses:
+            raise PublishError(
+                f"the engine on {self.device} took no new weights for {self.max_misses} steps in "
+                f"a row (deadline {self.timeout_s:g}s per attempt); it still serves version "
+                f"{self.version}. Raise generation.publish_timeout_s or lower max_new_tokens"
+            )
+        log.error(
+            "the engine keeps serving version %d; the next step publishes again", self.version
+        )
+        return time.perf_counter() - t0

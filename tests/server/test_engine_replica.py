@@ -1,0 +1,105 @@
+"""Weights published to an engine's own copy (engines/replica.py): the deadline, the retry, the
+loud error, and the KV blocks a continuous-batching cache must forget after a publish."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from jetctl.recipe import GenerationConfig
+from jetctl.server.engines import GenRequest
+from jetctl.server.engines.continuous import ContinuousEngine
+from jetctl.server.engines.replica import PublishError, Replica
+from tests.server.test_engines import LOGPROB_TOL, check_reply, prompts, serve
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+def test_a_publish_copies_only_what_training_changes() -> None:
+    s = serve("hf")
+    for name, p in s.model.named_parameters():
+        p.requires_grad_(name.endswith("lm_head.weight") or "layers.0.mlp" in name)
+    replica = Replica(s.model, device="cpu", version=0, timeout_s=1.0)
+    frozen_before = replica.model.model.layers[1].mlp.up_proj.weight.clone()
+    s.step(seed=1)  # changes every tensor of the trainer's model
+    replica.publish(1)
+    trained = dict(s.model.named_parameters())
+    for name, p in replica.model.named_parameters():
+        if trained[name].requires_grad:
+            assert torch.equal(p, trained[name]), name
+    assert torch.equal(replica.model.model.layers[1].mlp.up_proj.weight, frozen_before)
+    assert replica.version == 1 and replica.figures.published == 1
+
+
+async def test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = serve("hf-replica", generation=GenerationConfig(device="cpu", publish_timeout_s=0.2))
+    s.engine.start()
+    assert s.publish is not None
+    replica = s.publish.__self__  # type: ignore[attr-defined]
+    caplog.set_level(logging.ERROR, "jetctl.server.engines")
+    replica.gate.acquire()  # a generate batch that never lets go of the weights
+    await asyncio.to_thread(s.step, seed=1)  # two attempts of 0.2 s, then the step goes on
+    assert replica.version == 0 and replica.figures.missed_attempts == 2
+    assert sum("missed its 0.2s deadline" in r.message for r in caplog.records) == 2
+    replica.gate.release()
+
+    req = GenRequest(prompts(1)[0], max_tokens=6, temperature=1.0, top_p=1.0)
+    res = await s.engine.generate(req)
+    assert res.model_version == 0  # the engine says which weights it used, and they were 0's
+    check_reply(s, req, res)
+
+    await asyncio.to_thread(s.step, seed=2)  # the next step catches up
+    assert replica.version == 2 and replica.figures.misses_in_a_row == 0
+    res = await s.engine.generate(req)
+    assert res.model_version == 2
+    check_reply(s, req, res)
+
+    replica.gate.acquire()
+    await asyncio.to_thread(s.step, seed=3)
+    await asyncio.to_thread(s.step, seed=4)
+    with pytest.raises(PublishError, match="no new weights for 3 steps in a row"):
+        await asyncio.to_thread(s.step, seed=5)
+    replica.gate.release()
+    await s.engine.stop()
+
+
+async def test_continuous_publish_waits_for_the_request_in_flight_or_misses() -> None:
+    s = serve("continuous", generation=GenerationConfig(publish_timeout_s=0.05))
+    s.engine.start()
+    long = GenRequest(prompts(1)[0], max_tokens=150, temperature=1.0, top_p=1.0)
+    running = asyncio.create_task(s.engine.generate(long))
+    await asyncio.sleep(0.2)
+    await asyncio.to_thread(s.step, seed=1)  # cannot drain the long request within 2 x 0.05 s
+    res = await running
+    assert res.model_version == 0
+    check_reply(s, long, res)  # every token of it came from version 0's weights
+    await s.engine.stop()
+
+
+async def test_continuous_forgets_cached_prefix_blocks_after_a_publish() -> None:
+    """Prefix sharing reuses the KV blocks of an earlier request with the same prompt; after a
+    publish those blocks were computed by the old weights and must not be reused."""
+    s = serve("hf")  # the trainer-side model; the engine below gets a replica of it
+    replica = Replica(s.model, device="cpu", version=0, timeout_s=10.0)
+    s.publish = replica.publish
+    engine = ContinuousEngine(
+        replica, eos_token_ids=[s.eos], pad_token_id=s.eos, max_batch_size=8,
+        max_new_tokens=16, batch_wait_ms=0, page_size=8,  # 8-token pages: 5 full ones below
+    )
+    s.engine = engine
+    engine.start()
+    shared = (prompts(8)[-1] * 3)[:44]
+    req = GenRequest(shared, max_tokens=8, temperature=1.0, top_p=1.0)
+    check_reply(s, req, await engine.generate(req))
+    check_reply(s, req, await engine.generate(req))  # served from cached blocks, same version
+    await asyncio.to_thread(s.step, seed=3)
+    after = await engine.generate(req)
+    assert after.model_version == 1
+    check_reply(s, req, after)  # stale blocks would be off by far more than LOGPROB_TOL
+    assert LOGPROB_TOL < 1e-3
+    await engine.stop()
