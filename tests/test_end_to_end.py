@@ -119,7 +119,12 @@ def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
     assert acked.get("accepted", 0) + acked.get("stale", 0) == (
         final["accepted_groups"] + final["rejected_groups"].get("stale", 0)
     )
-    assert final["trained_groups"] + final["buffer_groups"] == final["accepted_groups"]
+    # the trainer's own log (one line per batch it took, written by the trainer) against the
+    # store's record of trained groups (written when the batch was marked trained)
+    assert sum(int(s["groups"]) for s in steps) == final["trained_groups"]
+    assert sum(int(s["trajectories"]) for s in steps) == final["trained_trajectories"]
+    # and what the clients were told (accepted) is what the store holds as accepted
+    assert acked.get("accepted", 0) == final["trained_groups"] + final["buffer_groups"]
 
 
 def _server_counts(run_dir: Path) -> dict[str, Any]:
@@ -127,14 +132,18 @@ def _server_counts(run_dir: Path) -> dict[str, Any]:
     import sqlite3
 
     db = sqlite3.connect(run_dir / "server-policy" / "store.sqlite")
-    rows = db.execute("SELECT state, reason, COUNT(*) FROM groups GROUP BY state, reason").fetchall()
+    rows = db.execute(
+        "SELECT state, reason, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, reason"
+    ).fetchall()
     out: dict[str, Any] = {"accepted_groups": 0, "trained_groups": 0, "buffer_groups": 0,
-                           "rejected_groups": {}}
-    for state, reason, n in rows:
+                           "trained_trajectories": 0, "rejected_groups": {}}
+    for state, reason, n, n_traj in rows:
         if state == "rejected":
             key = reason.split(":", 1)[0]
             out["rejected_groups"][key] = out["rejected_groups"].get(key, 0) + n
         else:
             out["accepted_groups"] += n
             out["trained_groups" if state == "trained" else "buffer_groups"] += n
+            if state == "trained":
+                out["trained_trajectories"] += int(n_traj or 0)
     return out

@@ -57,7 +57,7 @@ def check_group(
         or f"{t.task}/{t.client_revision}" in refused_revisions
     }
     if revs:
-        return Verdict("revision", f"revision: client revision {sorted(revs)[0]} is refused")
+        return Verdict("revision", f"revision: client revision {min(revs)} is refused")
     lag = g.lag(version)
     if lag > limits.max_staleness:
         return Verdict(

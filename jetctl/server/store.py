@@ -88,7 +88,7 @@ class _PutRequest:
 class TrajectoryStore:
     """Durable store + in-memory buffer of accepted, untrained groups."""
 
-    def __init__(self, path: Path, *, decode: "GroupCodec") -> None:
+    def __init__(self, path: Path, *, decode: GroupCodec) -> None:
         self.path = path
         self._codec = decode
         path.parent.mkdir(parents=True, exist_ok=True)

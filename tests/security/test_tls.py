@@ -175,7 +175,7 @@ def test_mtls_server_refuses_plaintext_and_certless_clients(mtls_server: tuple[s
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_client_transport_speaks_mtls(mtls_server: tuple[str, Path]) -> None:
-    endpoint, run_dir = mtls_server
+    _, run_dir = mtls_server
     recipe = parse_recipe(tiny_recipe("  tls: {mode: mtls}"))
     tls = tls_files(recipe.run.tls, run_dir)
 

@@ -76,11 +76,12 @@ def test_up_status_down_over_mtls(tmp_path: Path) -> None:
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
         # the swarm server: the same
-        with grpc.insecure_channel(server["endpoint"]) as channel:
-            with pytest.raises(grpc.RpcError) as e:
-                swarm_pb2_grpc.SwarmStub(channel).Status(
-                    pb.StatusRequest(), metadata=bearer(token), timeout=5
-                )
+        with grpc.insecure_channel(server["endpoint"]) as channel, pytest.raises(
+            grpc.RpcError
+        ) as e:
+            swarm_pb2_grpc.SwarmStub(channel).Status(
+                pb.StatusRequest(), metadata=bearer(token), timeout=5
+            )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         down = jetctl("down", "--run-dir", str(run_dir), "--grace", "20", check=False)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -107,7 +108,7 @@ class HFEngine:
                 results = await loop.run_in_executor(
                     self._executor, self._generate_batch, [p.req for p in live]
                 )
-            except Exception as exc:  # a failed batch fails its callers, not the engine
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its callers, not the engine
                 for p in live:
                     if not p.future.done():
                         p.future.set_exception(exc)
