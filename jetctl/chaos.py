@@ -12,8 +12,8 @@
     run.close()
 
 `jetctl chaos RECIPE --duration S` runs `run_schedule`: these faults round-robin for S
-seconds, then the quiesce and the ledger (docs/architecture.md section 6; the test shape of
-CONVENTIONS.md "nothing lost"). Every fault returns a `FaultRecord` with what was measured:
+seconds, then the quiesce and the ledger (docs/architecture.md section 6: nothing acked is
+lost, nothing is trained twice). Every fault returns a `FaultRecord` with what was measured:
 restart-to-serving of a killed server (and the version it resumed from, which must be its
 last complete checkpoint), restart of a killed client (and how many rollouts it lost),
 recovery after a partition (heal until every group spooled during it is acked; it must not

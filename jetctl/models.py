@@ -75,11 +75,29 @@ TOKENIZER_FILE_NAMES = (
     "merges.txt",
 )
 
-Progress = Callable[[str], None]
+Progress = Callable[[str], None]  # step(description): what a slow preparation is doing now
 
 
 class ModelSourceError(Exception):
     """A model source that cannot be resolved; the message says what to do."""
+
+
+def quiet_model_libraries() -> None:
+    """For processes whose output goes to a log file (servers, client nodes): no progress
+    bars (tqdm redraws its line with carriage returns) and no deprecation notes addressed to
+    the authors of transformers and peft, not to jetctl's users. Call before loading."""
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    warnings.simplefilter("ignore", FutureWarning)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a client image without transformers: nothing to quiet
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def cache_dir() -> Path:
@@ -152,11 +170,13 @@ def chatml_template(default_system: str | None = None) -> str:
 # ---------------------------------------------------------------------------- resolving
 
 
-def resolve_model_dir(source: str, *, progress: bool = True) -> Path:
+def resolve_model_dir(source: str, *, progress: bool | Progress = True) -> Path:
     """A folder that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load offline.
 
-    Builds builtins into the cache on first use (once across processes). Raises
-    `ModelSourceError` for an unknown builtin or a repo id that is not cached locally.
+    Builds builtins into the cache on first use (once across processes). `progress`: True
+    shows a spinner per step on stderr; a callable is told each step instead (the server
+    reports them as its starting phase). Raises `ModelSourceError` for an unknown builtin or
+    a repo id that is not cached locally.
     """
     if source.startswith("builtin:"):
         if source not in BUILTINS:
@@ -208,7 +228,9 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _cached_build(name: str, builder: Callable[[Path, Progress], None], *, progress: bool) -> Path:
+def _cached_build(
+    name: str, builder: Callable[[Path, Progress], None], *, progress: bool | Progress
+) -> Path:
     root = cache_dir() / "models"
     final = root / name
     if final.is_dir():
@@ -227,8 +249,13 @@ def _cached_build(name: str, builder: Callable[[Path, Progress], None], *, progr
 
 
 @contextlib.contextmanager
-def _progress_display(title: str, *, enabled: bool) -> Iterator[Progress]:
-    """Yields `step(description)`; shows a rich spinner with the current step on stderr."""
+def _progress_display(title: str, *, enabled: bool | Progress) -> Iterator[Progress]:
+    """Yields `step(description)`; shows a rich spinner with the current step on stderr, or
+    passes `title: description` to `enabled` when it is a callable."""
+    if callable(enabled):
+        report = enabled
+        yield lambda description: report(f"{title}: {description}")
+        return
     if not enabled:
         yield lambda _description: None
         return
@@ -435,10 +462,10 @@ def load_model(
     device: str = "cpu",
     *,
     attn_implementation: AttnImplementation = "eager",
-    progress: bool = True,
+    progress: bool | Progress = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, tokenizer). `eager` attention adds 4-D float masks as given
-    (FACTS: pass additive 0 / finfo.min masks, never boolean ones); `jetctl_tree` is `sdpa`
+    (pass additive 0 / finfo.min masks: a boolean 4-D mask is added to the scores as 0/1); `jetctl_tree` is `sdpa`
     that computes tree-packed rows segment by segment (jetctl/kernels/tree_attention.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

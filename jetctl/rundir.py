@@ -113,6 +113,10 @@ class RunPaths:
     def server_dir(self, model: str) -> Path:
         return self.root / f"server-{model}"
 
+    def server_phase(self, model: str) -> Path:
+        """What `model`'s server process is doing while it starts (jetctl.server.app)."""
+        return self.server_dir(model) / "phase.json"
+
     def store(self, model: str) -> Path:
         """`model`'s trajectory store (jetctl.server.store)."""
         return self.server_dir(model) / "store.sqlite"

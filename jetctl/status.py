@@ -9,6 +9,7 @@ A dead controller is a `RunDirError` with one line that says what to do.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,109 @@ def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:
     return reply
 
 
+# -- a finished run ------------------------------------------------------------------------
+
+FINAL_REWARD_BATCHES = 10  # the final reward is the mean of the last this many batches
+
+
+def finished_summary(run_dir: Path) -> dict[str, Any]:
+    """The document of a run whose controller has exited, from the files it left: per model
+    the steps trained, the final reward and the last checkpoint; the ledger; the curve.
+    `jetctl status` shows it for a finished run and `jetctl up` ends with it."""
+    from jetctl.ledger import build_ledger
+    from jetctl.plot import read_run_rewards
+
+    info = read_run_json(run_dir)
+    paths = RunPaths(run_dir)
+    dirs = _checkpoint_dirs(info, paths)
+    rewards = read_run_rewards(run_dir)
+    models: dict[str, Any] = {}
+    for model in sorted(set(info.get("servers") or {}) | set(rewards)):
+        points = rewards.get(model) or []
+        last = [p.reward for p in points[-FINAL_REWARD_BATCHES:]]
+        where = dirs.get(model) or str(paths.checkpoints(model))
+        models[model] = {
+            "steps": points[-1].step if points else 0,  # the version: optimizer steps
+            "batches": len(points),
+            "final_reward": sum(last) / len(last) if last else None,
+            "final_reward_batches": len(last),
+            "checkpoint_dir": where,
+            "last_checkpoint": _last_checkpoint(where),
+        }
+    started, finished = info.get("started_at"), info.get("finished_at")
+    return {
+        "run": info.get("run", run_dir.name),
+        "run_dir": str(run_dir),
+        "state": info.get("state", "finished"),
+        "stop_reason": info.get("stop_reason"),
+        "started_at": started,
+        "finished_at": finished,
+        "duration_s": round(finished - started, 3) if started and finished else None,
+        "models": models,
+        "reward_curve": str(paths.reward_curve_png) if paths.reward_curve_png.is_file() else None,
+        "reward_curve_csv": (
+            str(paths.reward_curve_csv) if paths.reward_curve_csv.is_file() else None
+        ),
+        "ledger": build_ledger(run_dir).summary(),
+    }
+
+
+def _checkpoint_dirs(info: dict[str, Any], paths: RunPaths) -> dict[str, str]:
+    """model -> its recipe's checkpoint.dir (folder or URL), where the recipe still loads."""
+    from jetctl.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(str(info.get("recipe") or ""))
+    except RecipeError:
+        return {}
+    return {m: c.checkpoint.dir for m, c in recipe.models.items() if c.checkpoint.dir}
+
+
+def _last_checkpoint(where: str) -> str | None:
+    """The newest `step-N` with a manifest (jetctl.server.checkpoint writes it last)."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(where)
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    except (OSError, ValueError, ImportError):
+        return None
+    for name in reversed(names):
+        if name.startswith("step-") and not name.endswith(".partial") and fs.exists(
+            f"{root.rstrip('/')}/{name}/manifest.json"
+        ):
+            return where.rstrip("/") + "/" + name
+    return None
+
+
+def render_summary(summary: dict[str, Any]) -> RenderableType:
+    """A finished run in a few lines: why it ended, per model its steps, final reward and
+    last checkpoint, the ledger, and where the reward curve is."""
+    head = Text()
+    head.append(f"run {summary['run']}", style="bold")
+    head.append("  ")
+    head.append(summary["state"], style=_STATE_STYLE.get(summary["state"], "cyan"))
+    if summary.get("stop_reason"):
+        head.append(f" ({summary['stop_reason']})")
+    if summary.get("duration_s") is not None:
+        head.append(f"  ran {_duration(summary['duration_s'])}", style="dim")
+    head.append(f"  {summary['run_dir']}", style="dim")
+    t = Table(title="models", title_justify="left",
+              caption=f"steps = optimizer steps; final reward: mean of the last "
+                      f"{FINAL_REWARD_BATCHES} batches", caption_justify="left",
+              box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+    for col in ("model", "steps", "final reward", "last checkpoint"):
+        t.add_column(col, justify="right" if col in ("steps", "final reward") else "left")
+    for model, m in summary["models"].items():
+        t.add_row(model, str(m["steps"]), _fmt(m["final_reward"], 3),
+                  m["last_checkpoint"] or f"none in {m['checkpoint_dir']}")
+    parts: list[RenderableType] = [head, Text(""), t, Text(""), ledger_line(summary["ledger"])]
+    curve = summary.get("reward_curve")
+    parts.append(Text(f"reward curve: {curve} (and {summary['reward_curve_csv']})" if curve
+                      else "reward curve: none (no batch was trained)"))
+    return Group(*parts)
+
+
 # -- the JSON document ---------------------------------------------------------------------
 
 
@@ -102,6 +206,8 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "rejected_groups": {k: int(v) for k, v in (f.get("rejected_groups") or {}).items()},
         "trained": _int(f, "trained_trajectories"),
         "trained_groups": _int(f, "trained_groups"),
+        # accepted = trained + still buffered, all in trajectories (the store's own counts)
+        "buffered": _difference(_int(f, "accepted_trajectories"), _int(f, "trained_trajectories")),
         "reward_mean": _float(f, "reward_mean_recent"),
         "trajectories_per_second": _float(f, "trajectories_per_second"),
         "tokens_generated": _int(f, "tokens_generated"),
@@ -109,7 +215,14 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "last_step": f.get("last_step") or {},
         "received_by_task": {k: int(v) for k, v in (f.get("received_by_task") or {}).items()},
         "reward_by_task": {k: float(v) for k, v in (f.get("reward_by_task") or {}).items()},
+        # while it starts: what the server process is doing (server-<model>/phase.json)
+        "phase": f.get("phase") if node.state == "starting" else None,
+        "phase_since": f.get("phase_since") if node.state == "starting" else None,
     }
+
+
+def _difference(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
 
 
 def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
@@ -221,29 +334,13 @@ def header(doc: dict[str, Any]) -> Text:
     return t
 
 
-def servers_table(doc: dict[str, Any]) -> Table:
-    t = Table(title="servers", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
-              show_edge=False, pad_edge=False)
-    # short headers: ten columns must fit an 80-column terminal
-    for col in ("model", "state", "ver", "buf", "acc", "rejected", "trained", "reward",
-                "traj/s", "rst"):
-        t.add_column(col, justify="left" if col in ("model", "state", "rejected") else "right",
-                     no_wrap=col in ("model", "state"))
-    for s in doc["servers"]:
-        rejected = ", ".join(f"{k}={v}" for k, v in sorted(s["rejected"].items())) or "-"
-        t.add_row(
-            s["model"], _state(s["state"]), _fmt(s["version"]), _fmt(s["buffer_depth"]),
-            _fmt(s["accepted"]), rejected, _fmt(s["trained"]), _fmt(s["reward_mean"], 3),
-            _fmt(s["trajectories_per_second"], 2), str(s["restarts"]),
-        )
-    return t
-
-
 def clients_table(doc: dict[str, Any]) -> Table:
-    t = Table(title="clients", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
-              show_edge=False, pad_edge=False)
-    for col in ("node", "task", "state", "rev", "rollouts", "spool", "server", "rst"):
-        t.add_column(col, justify="right" if col in ("rollouts", "spool", "rst") else "left",
+    t = Table(title="clients", title_justify="left",
+              caption="rollouts: trajectories; spooled: groups waiting for their ack",
+              caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
+              pad_edge=False)
+    for col in ("node", "task", "state", "rev", "rollouts", "spooled", "server", "restarts"):
+        t.add_column(col, justify="right" if col in ("rollouts", "spooled", "restarts") else "left",
                      no_wrap=col in ("node", "state"))
     for c in doc["clients"]:
         reach = c["server_reachable"]
@@ -254,19 +351,6 @@ def clients_table(doc: dict[str, Any]) -> Table:
             c["name"], c["task"], _state(c["state"]), c["revision"], _fmt(c["rollouts_done"]),
             _fmt(c["spool_depth"]), server, str(c["restarts"]),
         )
-    return t
-
-
-def tasks_table(doc: dict[str, Any]) -> Table:
-    t = Table(title="tasks", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
-              show_edge=False, pad_edge=False)
-    for col in ("task", "rev", "up", "rollouts", "spool", "received", "reward"):
-        t.add_column(col, justify="left" if col in ("task", "rev") else "right", no_wrap=True)
-    for task, e in (doc.get("tasks") or task_summary(doc)).items():
-        reward = e.get("reward")
-        t.add_row(task, ",".join(e["revisions"]) or "-", f"{e['up']}/{e['nodes']}",
-                  _fmt(e["rollouts_done"]), _fmt(e["spool_depth"]), _fmt(e["received"]),
-                  "-" if reward is None else f"{reward:.3f}")
     return t
 
 
@@ -285,11 +369,80 @@ def ledger_line(ledger: dict[str, Any]) -> Text:
     return t
 
 
+MODELS_CAPTION = "version = optimizer steps; accepted, trained, buffered, rejected: trajectories"
+TASKS_CAPTION = "rollouts, failed and received: trajectories"
+
+
+def _server_state(s: dict[str, Any]) -> Text:
+    """The state, and while a server starts, what it is doing and for how long."""
+    text = _state(s["state"])
+    if s.get("phase"):
+        since = s.get("phase_since")
+        took = f" {_duration(max(0.0, time.time() - float(since)))}" if since else ""
+        text.append(f": {s['phase']}{took}", style="dim")
+    return text
+
+
+def models_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
+    """One row per model (= server), the same columns in `jetctl up` and `jetctl status`;
+    with a recipe, the version shows its progress toward train.max_steps."""
+    t = Table(title="models", title_justify="left", caption=MODELS_CAPTION,
+              caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
+              pad_edge=False)
+    for col in ("model", "state", "version", "reward", "traj/s", "accepted", "trained",
+                "buffered", "rejected", "restarts"):
+        t.add_column(col, justify="left" if col in ("model", "state", "rejected") else "right",
+                     no_wrap=col == "model")
+    for s in doc["servers"]:
+        version = _fmt(s["version"])
+        max_steps = None
+        if recipe is not None and s["model"] in recipe.models:
+            max_steps = recipe.models[s["model"]].train.max_steps
+        if max_steps:
+            version += f"/{max_steps}"
+        rejected = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "-"
+        t.add_row(
+            s["model"], _server_state(s), version, _fmt(s["reward_mean"], 3),
+            _fmt(s["trajectories_per_second"], 2), _fmt(s["accepted"]), _fmt(s["trained"]),
+            _fmt(s.get("buffered")), rejected, str(s["restarts"]),
+        )
+    return t
+
+
+def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
+    """One row per task: its nodes up, the trajectories they produced and the servers
+    received, and its recent reward; the same columns in `jetctl up` and `jetctl status`."""
+    t = Table(title="tasks", title_justify="left", caption=TASKS_CAPTION, caption_justify="left",
+              box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+    for col in ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
+                "reward", "restarts"):
+        t.add_column(col, justify="left" if col in ("task", "model", "rev") else "right",
+                     no_wrap=True)
+    summary = doc.get("tasks") or task_summary(doc)
+    names = list(recipe.tasks) if recipe is not None else list(summary)
+    for task in names:
+        e = summary.get(task) or {}
+        nodes = [c for c in doc["clients"] if c["task"] == task]
+        wanted = recipe.tasks[task].clients if recipe is not None else len(nodes)
+        model = recipe.tasks[task].model if recipe is not None else (
+            nodes[0]["model"] if nodes else "-")
+        failed = sum(int(c["rollouts_failed"] or 0) + int(c["rollouts_timeout"] or 0)
+                     for c in nodes)
+        reward = e.get("reward")
+        t.add_row(
+            task, model, ",".join(e.get("revisions") or []) or "-",
+            f"{sum(1 for c in nodes if c['process_state'] == 'running')}/{wanted}",
+            _fmt(e.get("rollouts_done", 0)), str(failed), _fmt(e.get("received", 0)),
+            "-" if reward is None else f"{reward:.3f}", str(sum(c["restarts"] for c in nodes)),
+        )
+    return t
+
+
 def render_status(doc: dict[str, Any]) -> RenderableType:
-    """The `jetctl status` view: a header, the servers table, the clients table (and the
+    """The `jetctl status` view: a header, the models, tasks and clients tables (and the
     ledger's totals when the document has them)."""
     parts: list[RenderableType] = [
-        header(doc), Text(""), servers_table(doc), Text(""), tasks_table(doc), Text(""),
+        header(doc), Text(""), models_table(doc), Text(""), tasks_table(doc), Text(""),
         clients_table(doc),
     ]
     if doc.get("ledger"):
@@ -298,8 +451,8 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
 
 
 def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
-    """The `jetctl up` view: per model version / reward / traj/s / buffer, per task clients up
-    and rollouts done, with bars toward train.max_steps and run.duration_s."""
+    """The `jetctl up` view: the header, a bar toward run.duration_s, and the models and
+    tasks tables of `jetctl status` (versions against train.max_steps)."""
     parts: list[RenderableType] = [header(doc)]
     duration = recipe.run.duration_s
     if duration:
@@ -310,34 +463,5 @@ def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
             Text(f"{_duration(doc['uptime_s'])} / {_duration(duration)}", style="dim"),
         )
         parts.append(bar)
-    models = Table(title="models", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("model", "state", "version", "", "reward", "traj/s", "buffer", "restarts"):
-        models.add_column(col, justify="left" if col in ("model", "state", "") else "right")
-    for s in doc["servers"]:
-        max_steps = recipe.models[s["model"]].train.max_steps if s["model"] in recipe.models else None
-        version = s["version"] or 0
-        progress: RenderableType = (
-            ProgressBar(total=max_steps, completed=min(version, max_steps), width=20)
-            if max_steps else Text("")
-        )
-        models.add_row(
-            s["model"], _state(s["state"]),
-            f"{_fmt(s['version'])}" + (f"/{max_steps}" if max_steps else ""), progress,
-            _fmt(s["reward_mean"], 3), _fmt(s["trajectories_per_second"], 2),
-            _fmt(s["buffer_depth"]), str(s["restarts"]),
-        )
-    parts.append(models)
-    tasks = Table(title="tasks", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("task", "model", "clients up", "rollouts done", "failed", "restarts"):
-        tasks.add_column(col, justify="left" if col in ("task", "model") else "right")
-    for task, tcfg in recipe.tasks.items():
-        nodes = [c for c in doc["clients"] if c["task"] == task]
-        up = sum(1 for c in nodes if c["process_state"] == "running")
-        tasks.add_row(
-            task, tcfg.model, f"{up}/{tcfg.clients}",
-            str(sum(int(c["rollouts_done"] or 0) for c in nodes)),
-            str(sum(int(c["rollouts_failed"] or 0) + int(c["rollouts_timeout"] or 0) for c in nodes)),
-            str(sum(c["restarts"] for c in nodes)),
-        )
-    parts.append(tasks)
+    parts += [Text(""), models_table(doc, recipe), Text(""), tasks_table(doc, recipe)]
     return Group(*parts)

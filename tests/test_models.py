@@ -193,3 +193,14 @@ def test_smollm2_converts_and_keeps_its_chat_format() -> None:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
     assert "4" in tok.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.unit
+def test_a_build_reports_each_step_to_a_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server passes a callback: the steps of preparing a builtin become its starting
+    phase (shown in the live view) instead of a spinner in its log."""
+    monkeypatch.setenv("JETCTL_CACHE", str(tmp_path))
+    steps: list[str] = []
+    models.resolve_model_dir("builtin:tiny", progress=steps.append)
+    assert steps[0] == "preparing builtin:tiny: training the byte-level BPE tokenizer"
+    assert steps[-1] == "preparing builtin:tiny: saving"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from jetctl.cli.main import build_app
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.rundir import RunDirError, find_run_dir, update_latest_link, write_json_atomic
-from jetctl.status import RunFinished, document, fetch_status, render_status
+from jetctl.status import RunFinished, document, fetch_status, render_progress, render_status
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +93,105 @@ def test_dead_controller_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     write_json_atomic(rd / "run.json", {**info, "state": "finished"})
     with pytest.raises(RunFinished):
         fetch_status(rd)
+
+
+def test_up_and_status_draw_the_same_tables_in_one_vocabulary() -> None:
+    from rich.console import Console
+
+    from jetctl.recipe import parse_recipe
+
+    recipe = parse_recipe(
+        "run: {name: t, duration_s: 60}\n"
+        "models:\n  policy: {model: builtin:tiny, train: {max_steps: 50}}\n"
+        "tasks:\n  arith:\n    env: envs.arithmetic:make_env\n    agent: agents.arithmetic:agent\n"
+        "    model: policy\n    clients: 2\n", env={})
+    doc = document(reply())
+    texts = []
+    for view in (render_status(doc), render_progress(doc, recipe)):
+        console = Console(width=160, record=True)
+        console.print(view)
+        texts.append(console.export_text())
+    up_text = texts[1]
+    models_header = ("model", "state", "version", "reward", "traj/s", "accepted", "trained",
+                     "buffered", "rejected", "restarts")
+    tasks_header = ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
+                    "reward")
+    for text in texts:
+        lines = [line.strip() for line in text.splitlines()]
+        assert "models" in lines and "tasks" in lines
+        assert any(all(col in line for col in models_header) for line in lines), text
+        assert any(all(col in line for col in tasks_header) for line in lines), text
+        assert "version = optimizer steps" in text and "trajectories" in text
+        assert "servers" not in lines  # one name for a model's server in both views
+    assert "7/50" in up_text  # version toward max_steps
+    # accepted 40, trained 32 trajectories: 8 buffered, in the same unit
+    assert doc["servers"][0]["buffered"] == 8
+
+
+def test_a_starting_server_shows_what_it_is_doing() -> None:
+    import time
+
+    from rich.console import Console
+
+    phase = {"phase": "preparing builtin:smollm2-135m-instruct: dequantizing the gguf weights",
+             "phase_since": time.time() - 12}
+    starting = cpb.RunStatusReply(run="t", run_dir="/runs/t", uptime_s=14.0, state="starting",
+                                  nodes=[cpb.NodeStatus(name="server-policy", kind="server",
+                                                        model="policy", state="starting",
+                                                        json=json.dumps(phase))])
+    doc = document(starting)
+    assert doc["servers"][0]["phase"] == phase["phase"]
+    console = Console(width=200, record=True)
+    console.print(render_status(doc))
+    text = console.export_text()
+    assert "starting: preparing builtin:smollm2-135m-instruct: dequantizing the gguf" in text
+    assert "0m12s" in text or "0m13s" in text
+
+
+def finished_run(tmp_path: Path) -> Path:
+    """A run dir as a finished run leaves it: run.json, a steps log, checkpoints, a curve."""
+    from jetctl.plot import write_reward_curve
+
+    rd = tmp_path / "runs" / "t"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "run: {name: t}\nmodels:\n  policy: {model: builtin:tiny}\n"
+        "tasks:\n  arith:\n    env: envs.arithmetic:make_env\n"
+        "    agent: agents.arithmetic:agent\n    model: policy\n")
+    write_json_atomic(rd / "run.json", {
+        "run": "t", "recipe": str(recipe), "run_dir": str(rd), "state": "finished",
+        "controller": {"pid": 2**22 + 12345, "endpoint": "127.0.0.1:1"},
+        "servers": {"policy": {"endpoint": "127.0.0.1:2", "pid": None}},
+        "started_at": 1000.0, "finished_at": 1930.0, "stop_reason": "duration_s (900s) elapsed",
+    })
+    (rd / "metrics").mkdir(parents=True)
+    with open(rd / "metrics" / "policy.steps.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": i, "stepped": 1, "time": 1000.0 + 40 * i,
+                                "reward/mean": i / 20}) + "\n" for i in range(1, 21))
+    for name in ("step-00000010", "step-00000020", "step-00000030.partial"):
+        (rd / "checkpoints" / "policy" / name).mkdir(parents=True)
+    for name in ("step-00000010", "step-00000020"):
+        (rd / "checkpoints" / "policy" / name / "manifest.json").write_text("{}")
+    write_reward_curve(rd)
+    return rd
+
+
+def test_status_of_a_finished_run_is_its_summary(tmp_path: Path) -> None:
+    rd = finished_run(tmp_path)
+    res = CliRunner().invoke(build_app(), ["status", "--run-dir", str(rd), "--once", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)
+    assert summary["state"] == "finished" and summary["stop_reason"].startswith("duration_s")
+    assert summary["duration_s"] == 930.0
+    policy = summary["models"]["policy"]
+    assert policy["steps"] == 20 and policy["batches"] == 20
+    assert policy["final_reward"] == pytest.approx(sum(i / 20 for i in range(11, 21)) / 10)
+    assert policy["last_checkpoint"] == str(rd / "checkpoints" / "policy" / "step-00000020")
+    assert summary["ledger"]["balanced"] is True
+    assert summary["reward_curve"] == str(rd / "reward_curve.png")
+
+    res = CliRunner().invoke(build_app(), ["status", "--run-dir", str(rd)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for shown in ("finished", "duration_s (900s) elapsed", "ran 15m30s", "0.775",
+                  "step-00000020", "balanced", "reward_curve.png"):
+        assert shown in res.output, (shown, res.output)

@@ -3,7 +3,7 @@
 The chat opens with a one-shot example exchange (user: "What is 3 + 4? Answer as
 <answer>N</answer>.", assistant: `<answer>7</answer>`) and then the question `a + b`
 (single digits by default), all in `task.data["messages"]` (`task.prompt` is the question
-alone). Without the example the base model is never well formed (FACTS). The agent sends each reply to `session.answer(text)`: it returns `None` when the
+alone). Without the example the base model is never well formed (0 of 32 samples, measured). The agent sends each reply to `session.answer(text)`: it returns `None` when the
 session is done (correct, or out of turns) or feedback text to send as the next user
 message ("That is not correct. Try again and answer as <answer>N</answer>.").
 

@@ -1,7 +1,7 @@
 """The digits task: "Reply with the digit 7", scored by how much of the reply is that digit.
 
-The fast-learning task for `builtin:tiny` (FACTS: a random tiny Llama learns it by RL alone
-in ~50-100 steps). The agent submits its reply text once with `session.submit(text)`; the
+The fast-learning task for `builtin:tiny` (measured on 2 CPU cores: the random tiny Llama
+learns it by RL alone in ~50-100 steps). The agent submits its reply text once with `session.submit(text)`; the
 reward is dense and checked by code:
 
     reward = (number of target digits in the reply) / max(length, non-space characters)

@@ -1,6 +1,6 @@
 """Headless Chromium through Selenium, kept on one site: the web env's browser tools.
 
-Flags are the ones measured to work here (FACTS, Browser) plus `--host-resolver-rules`
+Flags are the ones seen to work headless in a container and as root (`--no-sandbox`) plus `--host-resolver-rules`
 that make every host name but 127.0.0.1 fail to resolve, so the browser reaches no other
 host even through a link; `open()` also refuses URLs off the site's origin. Each browser
 gets a fresh `--user-data-dir`, removed on `close()`. Chromium is a child of this process (same process group), so a rollout killed on

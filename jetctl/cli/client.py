@@ -60,11 +60,13 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import logging
 
+        from jetctl.models import quiet_model_libraries
         from jetctl.rundir import RunDirError, read_token_for
 
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        quiet_model_libraries()  # its output is a log file: no progress bars, no FutureWarning
         recipe_obj = _load_recipe(recipe)
         if task not in recipe_obj.tasks:
             fail(

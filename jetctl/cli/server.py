@@ -24,6 +24,7 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import logging
 
+        from jetctl.models import quiet_model_libraries
         from jetctl.recipe import RecipeError, load_recipe
         from jetctl.rundir import RunDirError, read_token_for
         from jetctl.server.app import ServerOptions, serve
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
         )
+        quiet_model_libraries()  # its output is a log file: no progress bars, no FutureWarning
         try:
             rec = load_recipe(recipe)
         except RecipeError as exc:  # every issue, one line each

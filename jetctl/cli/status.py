@@ -1,4 +1,5 @@
-"""`jetctl status`: the live view of a run (servers and clients), or one JSON document.
+"""`jetctl status`: the live view of a run (models, tasks, clients), or one JSON document;
+for a run that has finished, its summary (steps, final reward, ledger, curve, checkpoints).
 
     jetctl status                      # finds runs/latest; refreshes every 2 s; Ctrl-C quits
     jetctl status --once --json        # one JSON document for scripts (with the `ledger`)
@@ -25,9 +26,16 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of tables.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
 ) -> None:
-    """Show a run's servers and clients, from its controller."""
+    """Show a run's models, tasks and clients, from its controller; a finished run's summary."""
     from jetctl.rundir import RunDirError, find_run_dir
-    from jetctl.status import RunFinished, document, fetch_status, render_status
+    from jetctl.status import (
+        RunFinished,
+        document,
+        fetch_status,
+        finished_summary,
+        render_status,
+        render_summary,
+    )
 
     console = Console()
 
@@ -38,9 +46,19 @@ def status(
         doc["ledger"] = build_ledger(rd).summary()  # read from the stores and spools
         return doc
 
+    def show_finished(rd: Path) -> None:
+        summary = finished_summary(rd)
+        if as_json:
+            typer.echo(json.dumps(summary, indent=2 if once else None))
+        else:
+            console.print(render_summary(summary))
+
     try:
         rd = find_run_dir(run_dir)
         doc = document_with_ledger(rd)
+    except RunFinished:
+        show_finished(rd)
+        return
     except RunDirError as e:
         fail(str(e))
     if once:
@@ -62,8 +80,8 @@ def status(
                 live.update(render_status(doc))
     except KeyboardInterrupt:
         return
-    except RunFinished as e:
-        console.print(str(e))
+    except RunFinished:
+        show_finished(rd)
     except RunDirError as e:
         fail(str(e))
 

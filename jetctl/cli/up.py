@@ -65,7 +65,7 @@ def up(
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
     from jetctl.rundir import RunPaths
-    from jetctl.status import document, render_progress
+    from jetctl.status import document, finished_summary, render_progress, render_summary
 
     rec = load_recipe_or_fail(recipe)
     rd = (run_dir or Path(rec.run_dir)).resolve()
@@ -83,10 +83,7 @@ def up(
         live.update(render_progress(document(ctl.status()), rec))
     loop.join()
     console.line()
-    console.print(f"run {rec.run.name} ended: {ctl.stop_reason}")
-    curve = RunPaths(rd).reward_curve_png
-    if curve.is_file():
-        console.print(f"reward curve: {curve}")
+    console.print(render_summary(finished_summary(rd)))
 
 
 def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
@@ -239,6 +236,8 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
     info = read_json(paths.run_json)
     if info is not None:
         info["state"] = "finished"
+        info["stop_reason"] = "jetctl down (its controller was not running)"
+        info["finished_at"] = time.time()
         write_json_atomic(paths.run_json, info)
     return len(handles)
 

@@ -1,5 +1,6 @@
-"""A client node's counters: Prometheus metrics in a registry of their own (names:
-CONVENTIONS.md), and the figures of its status (`NodeStats`).
+"""A client node's counters: Prometheus metrics in a registry of their own (`jetctl_client_*`,
+base units, counters end in `_total`, no per-id labels), and the figures of its status
+(`NodeStats`).
 
     metrics = ClientMetrics()
     port = metrics.serve("127.0.0.1", 0)   # http://127.0.0.1:port/metrics

@@ -288,6 +288,8 @@ class Controller:
             self._refresh_plot(wait=True)
             with self.state.lock:
                 self.state.phase = "finished"
+                self.state.stop_reason = self.stop_reason
+                self.state.finished_at = time.time()
             self.state.write_run_json()
             self._done.set()
             for t in self._threads:

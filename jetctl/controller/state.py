@@ -22,7 +22,7 @@ from jetctl.controller.runtimes.base import NodeHandle, NodeKind
 from jetctl.proctree import process_create_time
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
-from jetctl.rundir import RunPaths, write_json_atomic
+from jetctl.rundir import RunPaths, read_json, write_json_atomic
 from jetctl.tls import TlsFiles
 
 RunPhase = Literal["starting", "running", "stopping", "finished"]
@@ -90,6 +90,8 @@ class RunState:
         self.lock = threading.RLock()
         self.phase: RunPhase = "starting"
         self.started_at = time.time()
+        self.stop_reason = ""  # why the run ended (or is ending)
+        self.finished_at: float | None = None
         self.endpoint = ""  # the Control service, host:port
         self.tls: TlsFiles | None = None  # run.tls; None: plaintext
         self.nodes: dict[str, Node] = {}
@@ -146,7 +148,9 @@ class RunState:
             phase = self.phase
         nodes = []
         for n, pid, cid, nstate, restarts in rows:
-            if n.kind == "server":
+            if n.kind == "server" and nstate == "starting":
+                figures = self._starting_figures(n.model, pid)
+            elif n.kind == "server":
                 figures = server_json.get(n.model, "{}")
             else:
                 figures = _read_text(self.paths.node_file(n.name)) or "{}"
@@ -172,6 +176,14 @@ class RunState:
             nodes=nodes,
             state=phase,
         )
+
+    def _starting_figures(self, model: str, pid: int | None) -> str:
+        """A starting server's phase (what its process reports it is doing), if that file
+        is from the process now running."""
+        phase = read_json(self.paths.server_phase(model)) or {}
+        if pid and phase.get("pid") == pid:
+            return json.dumps({"phase": phase.get("phase"), "phase_since": phase.get("phase_since")})
+        return "{}"
 
     def run_json(self) -> dict[str, Any]:
         """run.json as docs/CONTRACTS.md describes it (plus `state` and the controller's
@@ -212,6 +224,8 @@ class RunState:
             "tasks": tasks,
             "tls": self.tls.to_json() if self.tls is not None else None,
             "state": phase,
+            "stop_reason": self.stop_reason or None,
+            "finished_at": self.finished_at,
         }
 
     def write_run_json(self) -> None:

@@ -63,7 +63,10 @@ async def serve(opts: ServerOptions) -> int:
 
     t0 = time.monotonic()
     check_devices(opts.name, cfg)
-    model, tokenizer = load_trainable(cfg)
+    phase = StartingPhase(paths.server_phase(opts.name))
+    phase(f"loading {cfg.model}")
+    # a builtin built on first use (SmolLM2: download, dequantize, save) reports each step
+    model, tokenizer = load_trainable(cfg, progress=phase)
     metrics = ServerMetrics()
     lock = threading.Lock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
@@ -73,7 +76,9 @@ async def serve(opts: ServerOptions) -> int:
         steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
         faults=faults,
     )
+    phase("restoring the last checkpoint")
     version = trainer.resume()
+    phase("reloading the buffered groups")
     buffered = store.open(trained_through_step=version)
     metrics.model_version.set(version)
     log.info("model %s loaded in %.1fs at version %d, %d groups buffered",
@@ -127,6 +132,7 @@ async def serve(opts: ServerOptions) -> int:
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    phase("starting the gRPC service")
     port = add_port(server, f"{cfg.host}:{opts.port}", opts.tls)
     if port == 0:
         raise SystemExit(f"cannot bind {cfg.host}:{opts.port}")
@@ -145,6 +151,7 @@ async def serve(opts: ServerOptions) -> int:
     service.refused_revisions = read_refused(opts.run_dir, opts.name)
     _write_endpoint(opts, port, metrics_port, trainer.version, service.refused_revisions)
     log.info("serving %s on %s:%d (metrics :%d)", opts.name, cfg.host, port, metrics_port)
+    phase("serving")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -195,6 +202,21 @@ def check_devices(name: str, cfg: ModelConfig) -> None:
                 f"{count} CUDA device(s) here (CUDA build: {torch.version.cuda or 'no'}); "
                 "use device: cpu, or run the server on a machine with that GPU"
             )
+
+
+class StartingPhase:
+    """What the server is doing while it starts, for the live view: each phase is logged and
+    written to `server-<model>/phase.json` (`{"phase", "phase_since", "pid"}`), which the
+    controller shows for a server that does not answer yet."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, phase: str) -> None:
+        log.info("%s", phase)
+        write_json_atomic(
+            self.path, {"phase": phase, "phase_since": time.time(), "pid": os.getpid()}
+        )
 
 
 def _stalled(train_since: float | None, generate_since: float | None, limit_s: float) -> str:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a swarm server (names from CONVENTIONS.md, base units, no per-id labels)."""
+"""Prometheus metrics of a swarm server (`jetctl_server_*`, base units: seconds and bytes,
+counters end in `_total`, no per-id labels)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from jetctl.faults import Faults
-from jetctl.models import AttnImplementation
+from jetctl.models import AttnImplementation, Progress
 from jetctl.recipe import ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import memory, merge
@@ -45,7 +45,9 @@ from jetctl.server.store import StoredGroup, TrajectoryStore
 
 
 def load_trainable(
-    cfg: ModelConfig, attn_implementation: AttnImplementation = "jetctl_tree"
+    cfg: ModelConfig,
+    attn_implementation: AttnImplementation = "jetctl_tree",
+    progress: bool | Progress = False,
 ) -> tuple[Any, Any]:
     """The model the server trains (LoRA-wrapped when finetune is lora) and its tokenizer.
 
@@ -57,7 +59,8 @@ def load_trainable(
 
     torch.manual_seed(cfg.seed)
     base, tokenizer = load_model(
-        cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation=attn_implementation
+        cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation=attn_implementation,
+        progress=progress,
     )
     model: Any = base
     if cfg.finetune == "lora":

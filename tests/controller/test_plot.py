@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
-from jetctl.plot import moving_average, write_reward_curve
+from jetctl.plot import minutes, moving_average, read_reward_points, step_ticks, write_reward_curve
 
 pytestmark = pytest.mark.unit
 
@@ -39,6 +40,32 @@ def test_reward_curve_csv_and_png(tmp_path: Path) -> None:
     assert [r["reward_mean"] for r in rows if r["model"] == "planner"] == ["-1"]
     png = (tmp_path / "reward_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_batches_without_a_step_keep_their_place_in_time(tmp_path: Path) -> None:
+    """A batch whose groups all had zero reward variance takes no step and repeats the step
+    number before it: plotted against step it would stack on it as a vertical spike; against
+    time every batch has its own x, and the step axis marks only batches that stepped."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    lines = [  # (step after the batch, stepped, seconds, reward)
+        (1, 1, 10.0, 0.1), (1, 0, 20.0, 1.0), (1, 0, 30.0, 0.0), (2, 1, 40.0, 0.2),
+        (3, 1, 50.0, 0.3), (3, 0, 60.0, 1.0),
+    ]
+    with open(metrics / "policy.steps.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": step, "stepped": stepped, "time": 1000.0 + t,
+                                "reward/mean": r}) + "\n" for step, stepped, t, r in lines)
+    points = read_reward_points(metrics / "policy.steps.jsonl")
+    assert [p.batch for p in points] == [0, 1, 2, 3, 4, 5]
+    x = minutes(points, start=points[0].time)
+    assert all(a < b for a, b in itertools.pairwise(x)), "every batch has its own x"
+    assert step_ticks(points, start=points[0].time) == [(0.0, 1), (0.5, 2), (40 / 60, 3)]
+    write_reward_curve(tmp_path, window=2)
+    with open(tmp_path / "reward_curve.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["batch"], r["step"], r["stepped"], r["elapsed_s"]) for r in rows] == [
+        (str(i), str(s), str(st), f"{t - 10.0:.3f}") for i, (s, st, t, _) in enumerate(lines)
+    ]
 
 
 def test_no_steps_writes_nothing(tmp_path: Path) -> None:

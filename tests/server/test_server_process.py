@@ -196,3 +196,19 @@ def test_generate_for_a_model_not_served_here_is_refused(server: tuple[str, Path
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'planner' is not served here" in e.value.details()
     assert "'policy'" in e.value.details()
+
+
+def test_the_log_says_each_starting_phase_in_plain_lines(server: tuple[str, Path]) -> None:
+    """A server's log is a file: phases as lines, no progress bars redrawn with carriage
+    returns, no deprecation notes of the libraries; its last phase is `serving`."""
+    run_dir = server[1]
+    log = (run_dir / "server.log").read_bytes()
+    assert b"\r" not in log and b"FutureWarning" not in log and b"Loading weights" not in log
+    text = log.decode()
+    order = [text.index(p) for p in ("loading builtin:tiny", "restoring the last checkpoint",
+                                     "reloading the buffered groups", "starting the gRPC service",
+                                     "serving policy on")]
+    assert order == sorted(order), text[:2000]
+    phase = json.loads((run_dir / "server-policy" / "phase.json").read_text())
+    pid = json.loads((run_dir / "servers" / "policy.json").read_text())["pid"]
+    assert (phase["phase"], phase["pid"]) == ("serving", pid)
