@@ -173,7 +173,7 @@ def test_max_steps_stops_the_run_and_writes_the_reward_curve(make_controller, ru
     r.thread.join(timeout=40)
     assert r.result == ["every model reached train.max_steps"]
     csv = (run_dir / "reward_curve.csv").read_text().splitlines()
-    assert csv[0].startswith("model,step,time,reward_mean")
+    assert csv[0].startswith("model,batch,step,stepped,time,elapsed_s,reward_mean")
     assert len(csv) - 1 >= 5
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -60,7 +60,7 @@ def generate(prompts: list[list[int]], max_tokens: int = 16) -> list[LLMCall]:
         engine = make_engine(
             ModelConfig(model="builtin:smollm2-135m-instruct"), model, eos_token_ids=[eos],
             pad_token_id=eos, weights_lock=threading.Lock(), version=lambda: VERSION,
-        )
+        ).engine
         engine.start()
         try:
             results = await asyncio.gather(*(
@@ -76,9 +76,9 @@ def generate(prompts: list[list[int]], max_tokens: int = 16) -> list[LLMCall]:
 
 
 def chat(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 def trainer_log_ratios(trajectories: list[Trajectory]) -> tuple[list[float], int]:
