@@ -75,6 +75,11 @@ class Faults:
         self._rng = random.Random(seed)
         self.injected: dict[str, int] = {}
 
+    @property
+    def configured(self) -> bool:
+        """Whether any fault can ever fire here (a spec, or a file that may be written)."""
+        return bool(self._static) or self._path is not None
+
     @classmethod
     def from_env(cls) -> Faults:
         path = os.environ.get(FAULTS_FILE_ENV)

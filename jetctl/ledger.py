@@ -15,7 +15,7 @@ section 6), or is still in flight:
 
 The ledger reads only files a run leaves behind, so it works on a live run and on a
 stopped one: each server's store (`<run_dir>/server-<model>/store.sqlite`: groups with
-their trajectory ids, state, reason, step; the train log and the epochs of restarts) and
+their trajectory ids, state, refusal, step; the train log and the epochs of restarts) and
 each node's spool (`<run_dir>/spool/<node>.sqlite`: rollouts in progress, pending groups,
 acked outcomes, dropped trajectories). It does not trust counters; it joins ids.
 
@@ -49,7 +49,6 @@ from typing import Any, Literal
 from jetctl.rundir import RunPaths
 
 ProblemKind = Literal["lost", "trained_twice", "conflict"]
-REJECT_REASONS = ("stale", "invalid", "revision")
 MAX_PROBLEMS_SHOWN = 20
 
 
@@ -60,12 +59,17 @@ class Problem:
     detail: str
 
 
+class LedgerError(ValueError):
+    """A store or spool the ledger cannot read (written by an older jetctl)."""
+
+
 @dataclass(frozen=True)
 class _ServerRow:
     model: str
     group_id: str
     state: str  # buffered | trained | rejected
-    reason: str
+    refusal: str  # stale | invalid | revision when rejected
+    detail: str  # why, for people (never parsed)
     step: int | None
 
 
@@ -74,7 +78,7 @@ class _ClientFact:
     node: str
     group_id: str
     kind: Literal["rollout", "pending", "outcome", "dropped"]
-    detail: str = ""  # outcome or drop reason
+    detail: str = ""  # outcome (accepted | duplicate | stale | invalid | revision) or drop reason
     reason: str = ""
 
 
@@ -180,9 +184,14 @@ def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_Serve
     by_id: dict[str, list[_ServerRow]] = {}
     with _read_only(path) as db:
         cols = _columns(db, "groups")
+        if "refusal" not in cols:
+            raise LedgerError(
+                f"{path} was written by an older jetctl (its refusals have no column): start "
+                "its server once with this version (jetctl up --resume) to migrate it"
+            )
         ids_col = "trajectory_ids" if "trajectory_ids" in cols else "''"
         rows = db.execute(
-            f"SELECT id, n_traj, state, reason, step, {ids_col} FROM groups"
+            f"SELECT id, n_traj, state, refusal, reason, step, {ids_col} FROM groups"
         ).fetchall()
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         epochs = (
@@ -198,7 +207,7 @@ def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_Serve
         "epochs": [{"epoch": e, "resumed_from": r} for e, r in epochs],
         "groups": len(rows),
     }
-    for gid, n, state, reason, step, joined in rows:
+    for gid, n, state, refusal, reason, step, joined in rows:
         kept = surviving.get(gid, [])
         if len(kept) > 1:
             for tid in _ids(joined, gid, n):
@@ -210,7 +219,7 @@ def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_Serve
             # marked trained only at steps a restart discarded: its gradient is gone
             state, reason = "lost_history", f"trained at step {step} which a restart discarded"
         for tid in _ids(joined, gid, n):
-            by_id.setdefault(tid, []).append(_ServerRow(model, gid, state, reason, step))
+            by_id.setdefault(tid, []).append(_ServerRow(model, gid, state, refusal, reason, step))
     return by_id
 
 
@@ -258,11 +267,6 @@ def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
     return by_id
 
 
-def _reason_code(reason: str) -> str:
-    code = reason.split(":", 1)[0].strip()
-    return code if code in REJECT_REASONS else "invalid"
-
-
 # -- balancing --------------------------------------------------------------------------
 
 
@@ -306,11 +310,11 @@ def _classify(tid: str, rows: list[_ServerRow], facts: list[_ClientFact], ledger
         if row.state == "trained":
             ledger.trained += 1
         elif row.state == "rejected":
-            ledger.rejected[_reason_code(row.reason)] += 1
+            ledger.rejected[row.refusal] += 1
         elif row.state == "buffered":
             ledger.in_flight["server_buffer"] += 1
         else:
-            ledger.problems.append(Problem("lost", tid, f"{row.model}: {row.reason}"))
+            ledger.problems.append(Problem("lost", tid, f"{row.model}: {row.detail}"))
         return
     if len(facts) > 1:
         where = ", ".join(f"{f.node}:{f.kind} {f.detail}".strip() for f in facts)
@@ -327,4 +331,4 @@ def _classify(tid: str, rows: list[_ServerRow], facts: list[_ClientFact], ledger
             "lost", tid, f"{f.node} holds ack {f.detail} for group {f.group_id}; no server has it",
         ))
     else:
-        ledger.rejected[_reason_code(f.detail)] += 1
+        ledger.rejected[f.detail] += 1

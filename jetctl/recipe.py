@@ -219,6 +219,12 @@ class LimitsConfig(_Strict):
         ge=1024,
         description="largest gRPC message accepted; larger ones get RESOURCE_EXHAUSTED",
     )
+    max_buffer_groups: int = Field(
+        default=1024,
+        ge=1,
+        description="accepted groups a server holds untrained; past it Submit acks BUSY and "
+        "the client keeps the group spooled and sends it again later",
+    )
 
 
 class ModelConfig(_Strict):

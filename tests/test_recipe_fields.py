@@ -567,6 +567,10 @@ ROWS: dict[str, Row] = {
         "tests/server/test_engine_replica.py::test_continuous_publish_waits_for_the_request_in_flight_or_misses",
     )),
     "models.<name>.limits.max_message_bytes": Served(served_max_message_bytes),
+    "models.<name>.limits.max_buffer_groups": CoveredBy((
+        "tests/server/test_server_buffer.py::test_past_the_bound_groups_are_busy_and_not_stored",
+        "tests/server/test_store.py::test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing",
+    )),
     "models.<name>.host": Served(served_host),
     "models.<name>.port": Effect(run_token_and_ports, integration=True),
     "models.<name>.metrics_port": Effect(run_token_and_ports, integration=True),

@@ -1,9 +1,19 @@
-"""Map jetctl.types dataclasses to and from swarm.proto messages."""
+"""Map jetctl.types dataclasses to and from swarm.proto messages; slice groups out of bytes.
+
+The server keeps a submitted group as the bytes it arrived in: `group_payloads` cuts each
+`TrajectoryGroup` out of a `SubmitRequest`'s wire bytes (no re-serialization), and only the
+trainer turns them into dataclasses (`group_from_pb`).
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from jetctl.server.weights import WeightsPayload
 
 
 def call_to_pb(c: LLMCall) -> pb.LLMCall:
@@ -82,3 +92,80 @@ def group_from_pb(m: pb.TrajectoryGroup) -> TrajectoryGroup:
         model=m.model,
         trajectories=[trajectory_from_pb(t) for t in m.trajectories],
     )
+
+
+SUBMIT_GROUPS_FIELD = 1  # SubmitRequest.groups
+
+
+def group_payloads(raw: bytes, request: pb.SubmitRequest) -> list[bytes]:
+    """The wire bytes of each group of `request`, which was parsed from `raw`, in order.
+
+    Walks only the top level of the message (one varint pair per field): each occurrence of
+    field 1 is one element of the repeated `groups`. Should the walk not match the parsed
+    request (a deprecated group-encoded field, say), the groups are serialized again.
+    """
+    try:
+        slices = [data for number, data in length_delimited(raw) if number == SUBMIT_GROUPS_FIELD]
+    except ValueError:
+        slices = []
+    if len(slices) != len(request.groups):
+        return [g.SerializeToString() for g in request.groups]
+    return slices
+
+
+def length_delimited(raw: bytes) -> list[tuple[int, bytes]]:
+    """(field number, bytes) of every length-delimited field at the top level of a message,
+    in order (packed repeated scalars, strings, embedded messages); other fields are skipped.
+    Raises ValueError on bytes that are not a message."""
+    out: list[tuple[int, bytes]] = []
+    i, end = 0, len(raw)
+    while i < end:
+        key, i = _varint(raw, i)
+        wire = key & 7
+        if wire == 0:
+            _, i = _varint(raw, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = _varint(raw, i)
+            out.append((key >> 3, raw[i : i + length]))
+            i += length
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"wire type {wire} at byte {i}")
+    if i != end:
+        raise ValueError("a field runs past the end of the message")
+    return out
+
+
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(raw) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = raw[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def weight_frames(payload: WeightsPayload, chunk_bytes: int) -> list[bytes]:
+    """A weights payload as serialized PullWeights messages of `chunk_bytes` data each."""
+    data = memoryview(payload.data)
+    total = len(data)
+    frames = []
+    for offset in range(0, max(total, 1), chunk_bytes):
+        frames.append(pb.WeightsChunk(
+            version=payload.version,
+            format="safetensors",
+            kind=payload.kind,
+            total_bytes=total,
+            offset=offset,
+            data=bytes(data[offset : offset + chunk_bytes]),
+            sha256=payload.sha256,
+            adapter_config_json=payload.adapter_config_json if offset == 0 else "",
+        ).SerializeToString())
+    return frames

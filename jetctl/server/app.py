@@ -70,7 +70,10 @@ async def serve(opts: ServerOptions) -> int:
     metrics = ServerMetrics()
     lock = threading.Lock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
-    store = TrajectoryStore(paths.store(opts.name), decode=GroupCodec())
+    store = TrajectoryStore(
+        paths.store(opts.name), decode=GroupCodec(),
+        max_buffer_groups=cfg.limits.max_buffer_groups,
+    )
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
         steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
@@ -112,8 +115,11 @@ async def serve(opts: ServerOptions) -> int:
     )
 
     limit = cfg.limits.max_message_bytes
+    interceptors = [auth_interceptor(opts.token, service.refuse)]
+    if faults.configured:  # an interceptor costs every call, even one that does nothing
+        interceptors.append(drop_ack_interceptor(faults))
     server = grpc.aio.server(
-        interceptors=[auth_interceptor(opts.token, service.refuse), drop_ack_interceptor(faults)],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

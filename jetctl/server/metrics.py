@@ -17,6 +17,11 @@ class ServerMetrics:
             "jetctl_server_trajectories_rejected", "Trajectories refused, by reason",
             ["reason"], registry=r,
         )
+        self.deferred = Counter(
+            "jetctl_server_trajectories_deferred",
+            "Trajectories not stored because the buffer was full (ack BUSY: the client resends)",
+            registry=r,
+        )
         self.refused_calls = Counter(
             "jetctl_server_calls_refused", "RPCs refused before any work, by reason",
             ["reason"], registry=r,

@@ -9,26 +9,32 @@ server options (RESOURCE_EXHAUSTED before anything is buffered whole).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from jetctl.auth import METADATA_KEY
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.proto.convert import group_from_pb
-from jetctl.server.admission import Limits, check_generate, check_group, check_shape
+from jetctl.proto.convert import group_payloads, weight_frames
+from jetctl.server.admission import Limits, check_generate, check_group
 from jetctl.server.engines.base import Engine, GenRequest
 from jetctl.server.metrics import ServerMetrics
-from jetctl.server.store import TrajectoryStore
+from jetctl.server.store import PutResult, TrajectoryStore
 from jetctl.server.trainer import Trainer
+from jetctl.server.weights import WeightsPayload
 
 SERVICE = "jetctl.swarm.v1.Swarm"
 log = logging.getLogger("jetctl.server")
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20  # PullWeights data per message (less when max_message_bytes is smaller)
+CHUNK_FRAMING = 4096  # room in a message for a chunk's other fields
 MAX_TASK_LABELS = 64  # distinct `task` label values; more would grow /metrics without bound
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
 ACK_CODES = {
@@ -37,6 +43,7 @@ ACK_CODES = {
     "stale": pb.Ack.STALE,
     "invalid": pb.Ack.INVALID,
     "revision": pb.Ack.REVISION,
+    "busy": pb.Ack.BUSY,
 }
 
 
@@ -75,11 +82,15 @@ class SwarmService:
         self.tokens_generated = 0
         self._accepted_times: list[tuple[float, int]] = []
         self._task_labels: set[str] = set()
+        self._frames: tuple[WeightsPayload, list[bytes]] | None = None
+        self._frames_lock = threading.Lock()
 
     # --- plumbing --------------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        ser = lambda m: m.SerializeToString()
+        def ser(m: Any) -> bytes:  # PullWeights yields frames serialized once per version
+            return m if isinstance(m, bytes) else m.SerializeToString()  # type: ignore[no-any-return]
+
         methods = {
             "Register": grpc.unary_unary_rpc_method_handler(self.register, None, ser),
             "Generate": grpc.unary_unary_rpc_method_handler(self.generate, None, ser),
@@ -158,7 +169,7 @@ class SwarmService:
     async def submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.SubmitReply:
         req = await self._parse(raw, pb.SubmitRequest, context)
         await self._check_count(req, context)
-        reply = await self._submit(req)
+        reply = await self._submit(req, raw)
         if reply.acks and all(a.code == pb.Ack.INVALID for a in reply.acks):
             # nothing in the request was usable: refuse the call as a whole
             self.refuse("invalid_submit")
@@ -173,7 +184,7 @@ class SwarmService:
         async for raw in requests:
             req = await self._parse(raw, pb.SubmitRequest, context)
             await self._check_count(req, context)
-            yield await self._submit(req)
+            yield await self._submit(req, raw)
 
     async def _check_count(self, req: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> None:
         """Many tiny groups fit under the byte cap; each costs work and an ack: cap them."""
@@ -193,99 +204,94 @@ class SwarmService:
         self._task_labels.add(task)
         return task
 
-    async def _submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
+    async def _submit(self, req: pb.SubmitRequest, raw: bytes) -> pb.SubmitReply:
+        """Judge each group as the message it arrived in; store its bytes; ack when durable."""
         if not req.groups:
             return pb.SubmitReply(model_version=self.trainer.version)
         version = self.trainer.version
-        futures = []
+        pending: list[tuple[int, str, int, Future[PutResult]]] = []  # ack index, id, trajs
         acks: list[pb.Ack | None] = []
-        for gm in req.groups:
-            self.metrics.received.labels(task=self._task_label(gm.task)).inc(len(gm.trajectories))
-            shape = check_shape(gm, self.limits)
-            if shape:  # refused before it is copied into Python objects
-                self.metrics.rejected.labels(reason="invalid").inc(len(gm.trajectories))
-                # an id this long is refused; echoing it whole could push the reply past the cap
-                gid = gm.id[: self.limits.max_id_chars]
-                acks.append(pb.Ack(group_id=gid, code=pb.Ack.INVALID, reason=f"invalid: {shape}"))
-                continue
-            g = group_from_pb(gm)
-            verdict = check_group(g, self.limits, version, self.refused_revisions)
-            known = self.store.recorded(g.id) if verdict.outcome == "invalid" else None
-            if known is not None:
+        for gm, payload in zip(req.groups, group_payloads(raw, req)):
+            n_traj = len(gm.trajectories)
+            self.metrics.received.labels(task=self._task_label(gm.task)).inc(n_traj)
+            verdict = check_group(gm, self.limits, version, self.refused_revisions)
+            # an id this long is refused; echoing it whole could push the reply past the cap
+            gid = gm.id[: self.limits.max_id_chars]
+            if verdict.facts is None:
                 # a resend of a group stored before (its ack was lost, and e.g. a restart
                 # from an older checkpoint makes its versions look ahead): its outcome stands
-                acks.append(pb.Ack(group_id=g.id, code=ACK_CODES[known.outcome], reason=known.reason))
-                continue
-            if verdict.outcome == "invalid":
+                known = self.store.recorded(gid) if gid and gid == gm.id else None
+                if known is not None:
+                    acks.append(pb.Ack(group_id=gid, code=ACK_CODES[known.outcome],
+                                       reason=known.reason))
+                    continue
                 # invalid groups are not stored: they may be garbage of any size
-                self.metrics.rejected.labels(reason="invalid").inc(len(g.trajectories))
-                acks.append(pb.Ack(group_id=gm.id, code=pb.Ack.INVALID, reason=verdict.reason))
+                self.metrics.rejected.labels(reason="invalid").inc(n_traj)
+                acks.append(pb.Ack(group_id=gid, code=pb.Ack.INVALID, reason=verdict.reason))
                 continue
-            payload = gm.SerializeToString() if verdict.outcome == "accepted" else b""
-            self.metrics.version_lag.observe(max(g.lag(version), 0))
-            futures.append((len(acks), g, self.store.put(g, payload, verdict.outcome, verdict.reason)))  # type: ignore[arg-type]
+            self.metrics.version_lag.observe(max(verdict.facts.lag(version), 0))
+            stored = payload if verdict.outcome == "accepted" else b""
+            fut = self.store.put(verdict.facts, stored, verdict.outcome, verdict.reason)  # type: ignore[arg-type]
+            pending.append((len(acks), verdict.facts.id, n_traj, fut))
             acks.append(None)
-        for index, g, fut in futures:
+        for index, group_id, n_traj, fut in pending:
             res = await asyncio.wrap_future(fut)
-            if res.outcome != "accepted" and res.outcome != "duplicate":
-                self.metrics.rejected.labels(reason=res.outcome).inc(len(g.trajectories))
-            elif res.outcome == "accepted":
-                self._accepted_times.append((time.monotonic(), len(g.trajectories)))
-            acks[index] = pb.Ack(group_id=g.id, code=ACK_CODES[res.outcome], reason=res.reason)
+            if res.outcome == "accepted":
+                self._accepted_times.append((time.monotonic(), n_traj))
+            elif res.outcome == "busy":
+                self.metrics.deferred.inc(n_traj)
+            elif res.outcome != "duplicate":
+                self.metrics.rejected.labels(reason=res.outcome).inc(n_traj)
+            acks[index] = pb.Ack(group_id=group_id, code=ACK_CODES[res.outcome], reason=res.reason)
         self.metrics.buffer_groups.set(self.store.buffer_depth)
         return pb.SubmitReply(acks=cast(list[pb.Ack], acks), model_version=self.trainer.version)
 
     async def pull_weights(
         self, raw: bytes, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.WeightsChunk]:
+    ) -> AsyncIterator[bytes]:
         req = await self._parse(raw, pb.PullWeightsRequest, context)
         if req.have_version == self.trainer.version:
             return
         t0 = time.monotonic()
         try:
-            payload = await asyncio.to_thread(self.trainer.weights_payload)
+            frames = await asyncio.to_thread(self._weight_frames)
         except TimeoutError as e:  # a hung step holds the weights: fail loudly, never stall
             log.error("PullWeights: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"weights not available: {e}")
-        total = len(payload.data)
-        for offset in range(0, max(total, 1), CHUNK_BYTES):
-            yield pb.WeightsChunk(
-                version=payload.version,
-                format="safetensors",
-                kind=payload.kind,
-                total_bytes=total,
-                offset=offset,
-                data=payload.data[offset : offset + CHUNK_BYTES],
-                sha256=payload.sha256,
-                adapter_config_json=payload.adapter_config_json if offset == 0 else "",
-            )
+        for frame in frames:
+            yield frame
         self.metrics.publish_seconds.observe(time.monotonic() - t0)
+
+    def _weight_frames(self) -> list[bytes]:
+        """The current version's serialized WeightsChunk messages, made once per version:
+        every later pull of that version streams the same bytes without another copy."""
+        payload = self.trainer.weights_payload()
+        with self._frames_lock:
+            if self._frames is None or self._frames[0] is not payload:
+                chunk = max(1, min(CHUNK_BYTES, self.max_message_bytes - CHUNK_FRAMING))
+                self._frames = (payload, weight_frames(payload, chunk))
+            return self._frames[1]
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         await self._parse(raw, pb.StatusRequest, context)
         counts = await asyncio.to_thread(self.store.counts)
         by_task = await asyncio.to_thread(self.store.received_by_task)
         reward_by_task = await asyncio.to_thread(self.store.reward_by_task)
-        trajs = counts["trajectories"]
-        rejected_total = _by_reason(trajs)
-        rejected_groups = _by_reason(counts["groups"])
         f = self.trainer.figures
         now = time.monotonic()
         self._accepted_times = [(t, n) for t, n in self._accepted_times if now - t < 60]
         window = min(60.0, max(time.time() - self.started, 1e-3))
-        accepted_groups = sum(v for k, v in counts["groups"].items() if not k.startswith("rejected"))
-        accepted_trajs = sum(v for k, v in trajs.items() if not k.startswith("rejected"))
         recent = f.recent_rewards[-64:]
         return pb.StatusReply(
             model=self.model_name,
             model_source=self.model_source,
             model_version=self.trainer.version,
             buffer_groups=self.store.buffer_depth,
-            accepted_groups=accepted_groups,
-            accepted_trajectories=accepted_trajs,
-            rejected=rejected_total,
-            trained_trajectories=trajs.get("trained", 0),
-            trained_groups=counts["groups"].get("trained", 0),
+            accepted_groups=sum(counts.groups.values()),
+            accepted_trajectories=sum(counts.trajectories.values()),
+            rejected=counts.rejected_trajectories,
+            trained_trajectories=counts.trajectories.get("trained", 0),
+            trained_groups=counts.groups.get("trained", 0),
             reward_mean_recent=sum(recent) / len(recent) if recent else 0.0,
             trajectories_per_second=sum(n for _, n in self._accepted_times) / window,
             tokens_generated=self.tokens_generated,
@@ -296,23 +302,13 @@ class SwarmService:
             pid=os.getpid(),
             received_by_task=by_task,
             reward_by_task=reward_by_task,
-            rejected_groups=rejected_groups,
+            rejected_groups=counts.rejected_groups,
         )
-
-
-def _by_reason(counts: dict[str, int]) -> dict[str, int]:
-    """{"rejected:stale: lag 3 > 2": n, ...} -> {"stale": n, ...}"""
-    out: dict[str, int] = {}
-    for key, n in counts.items():
-        if key.startswith("rejected:"):
-            reason = key.split(":", 2)[1].strip()
-            out[reason] = out.get(reason, 0) + n
-    return out
 
 
 def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.ServerInterceptor:
     """Require `authorization: Bearer <token>` on every call but health and reflection."""
-    expected = f"Bearer {token}"
+    expected = f"Bearer {token}".encode()
     open_prefixes = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     class _Auth(grpc.aio.ServerInterceptor):
@@ -323,13 +319,18 @@ def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.S
         ) -> grpc.RpcMethodHandler:
             if details.method.startswith(open_prefixes):
                 return await continuation(details)
-            meta = dict(details.invocation_metadata or ())
-            if meta.get("authorization") == expected:
+            got = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
+            # constant time: how long a refusal takes says nothing about the token
+            if hmac.compare_digest(_as_bytes(got), expected):
                 return await continuation(details)
             on_refuse("unauthenticated")
             return _deny(details.method)
 
     return _Auth()
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
 
 
 def _deny(method: str) -> grpc.RpcMethodHandler:

@@ -1,12 +1,22 @@
 """Durable trajectory store of one swarm server (sqlite, WAL, synchronous=FULL).
 
 Every group the server answers for is a row: `buffered` (accepted, waiting to be trained),
-`trained` (with the step that used it) or `rejected` (with a reason). A group is acked only
-after its row is committed, so an ack survives kill -9. Writes from concurrent Submit calls
-are committed together by one writer thread (group commit): one fsync covers many groups.
+`trained` (with the step that used it) or `rejected` (its `refusal`: stale | invalid |
+revision, and a free-text `reason` for people). A group is acked only after its row is
+committed, so an ack survives kill -9. Writes from concurrent Submit calls are committed
+together by one writer thread (group commit): one fsync covers many groups.
+
+A group is kept as the bytes it arrived in (its `TrajectoryGroup` protobuf, sliced out of
+the Submit request): admission reads the message in place, the store writes those bytes and
+a few facts (`GroupFacts`), and only the trainer decodes a group, when it trains it
+(`StoredGroup.group`).
 
 Duplicates are recognised by group id across restarts: a resubmitted group gets its
-recorded outcome again (DUPLICATE if it was accepted, its rejection otherwise).
+recorded outcome again (DUPLICATE if it was accepted, its refusal otherwise).
+
+The in-memory buffer of accepted, untrained groups holds at most `max_buffer_groups`; a new
+group that would pass it is not stored and gets `busy` (Ack BUSY): the client keeps it in
+its spool and resends it later, so back-pressure loses nothing.
 
 For the ledger (`jetctl.ledger`) each row keeps its trajectory ids, and two append-only
 tables keep the history: `epochs` (one row per `open`, with the checkpoint version it
@@ -14,8 +24,7 @@ resumed from) and `train_log` (group, step, epoch for every `mark_trained`). Ste
 epoch past the version the next epoch resumed from were lost with the crash; what survives
 must train each group at most once.
 
-Left out: a remote (fsspec) store; the buffer of accepted groups is held in memory too,
-bounded by `max_buffer_groups` (oldest are rejected as stale first by the trainer).
+Left out: a remote (fsspec) store.
 """
 
 from __future__ import annotations
@@ -26,14 +35,19 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 from jetctl.types import TrajectoryGroup
 
-Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision"]
+Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision", "busy"]
+Refusal = Literal["stale", "invalid", "revision"]
+REFUSALS: tuple[Refusal, ...] = ("stale", "invalid", "revision")
+MAX_BATCH = 512  # puts committed in one transaction at most
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -42,13 +56,14 @@ CREATE TABLE IF NOT EXISTS groups (
     n_traj INTEGER NOT NULL,
     min_version INTEGER NOT NULL,
     state TEXT NOT NULL,            -- buffered | trained | rejected
-    reason TEXT NOT NULL DEFAULT '',
+    reason TEXT NOT NULL DEFAULT '', -- free text for people; never parsed
     step INTEGER,                   -- the optimizer step that trained it
     received_at REAL NOT NULL,
-    payload BLOB,                   -- serialized TrajectoryGroup (dropped once trained)
+    payload BLOB,                   -- the TrajectoryGroup protobuf as received (dropped once trained)
     trajectory_ids TEXT NOT NULL DEFAULT '',  -- comma-separated, for the ledger
     revisions TEXT NOT NULL DEFAULT '', -- the trajectories' client_revision, comma-separated
-    reward_sum REAL NOT NULL DEFAULT 0  -- sum of the trajectories' rewards (per-task figures)
+    reward_sum REAL NOT NULL DEFAULT 0, -- sum of the trajectories' rewards (per-task figures)
+    refusal TEXT NOT NULL DEFAULT ''    -- stale | invalid | revision when state = 'rejected'
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
 CREATE TABLE IF NOT EXISTS epochs (
@@ -63,11 +78,70 @@ CREATE TABLE IF NOT EXISTS train_log (
 );
 """
 
+# Stores written before `refusal` had a column kept the code only as the reason's prefix
+# ("stale: lag 3 > 2"). Read it once, here, when the column is added; nothing parses
+# reasons afterwards.
+MIGRATE_REFUSAL = """
+UPDATE groups SET refusal = CASE
+    WHEN reason LIKE 'stale%' THEN 'stale'
+    WHEN reason LIKE 'revision%' THEN 'revision'
+    ELSE 'invalid' END
+WHERE state = 'rejected'
+"""
 
-@dataclass
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What the store records about a group beside its bytes (one pass over the group)."""
+
+    id: str
+    task: str
+    n_trajectories: int
+    min_version: int
+    trajectory_ids: tuple[str, ...]
+    revisions: tuple[str, ...]  # distinct client revisions, sorted
+    reward_sum: float
+
+    @classmethod
+    def of(cls, group: Any) -> GroupFacts:
+        """Read the facts of a `TrajectoryGroup` dataclass or protobuf message alike."""
+        trajs = group.trajectories
+        versions = [c.model_version for t in trajs for c in t.calls]
+        return cls(
+            id=group.id,
+            task=group.task,
+            n_trajectories=len(trajs),
+            min_version=min(versions, default=-1),
+            trajectory_ids=tuple(t.id for t in trajs),
+            revisions=tuple(sorted({t.client_revision for t in trajs})),
+            reward_sum=math.fsum(t.reward for t in trajs),
+        )
+
+    def lag(self, server_version: int) -> int:
+        """server_version - min(call versions), as `TrajectoryGroup.lag`."""
+        return server_version - self.min_version
+
+
+@dataclass(eq=False)
 class StoredGroup:
-    group: TrajectoryGroup
+    """An accepted group in the buffer: its facts and its bytes; decoded on first use."""
+
+    facts: GroupFacts
+    payload: bytes
     received_at: float
+    decode: Callable[[bytes], TrajectoryGroup] = field(repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.facts.id
+
+    def lag(self, server_version: int) -> int:
+        return self.facts.lag(server_version)
+
+    @cached_property
+    def group(self) -> TrajectoryGroup:
+        """The decoded group (in the trainer's thread: the Submit path never decodes)."""
+        return self.decode(self.payload)
 
 
 @dataclass(frozen=True)
@@ -76,9 +150,19 @@ class PutResult:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class StoreCounts:
+    """Groups and trajectories by state; the rejected ones by refusal."""
+
+    groups: dict[str, int]  # buffered | trained -> groups
+    trajectories: dict[str, int]
+    rejected_groups: dict[str, int]  # stale | invalid | revision -> groups
+    rejected_trajectories: dict[str, int]
+
+
 @dataclass
 class _PutRequest:
-    group: TrajectoryGroup
+    facts: GroupFacts
     payload: bytes
     outcome: Outcome  # what to record when new: accepted | stale | revision
     reason: str
@@ -88,23 +172,20 @@ class _PutRequest:
 class TrajectoryStore:
     """Durable store + in-memory buffer of accepted, untrained groups."""
 
-    def __init__(self, path: Path, *, decode: GroupCodec) -> None:
+    def __init__(
+        self, path: Path, *, decode: GroupCodec, max_buffer_groups: int = 1024
+    ) -> None:
+        if max_buffer_groups < 1:
+            raise ValueError(f"max_buffer_groups ({max_buffer_groups}) must be at least 1")
         self.path = path
         self._codec = decode
+        self.max_buffer_groups = max_buffer_groups
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
-        have = {r[1] for r in self._db.execute("PRAGMA table_info(groups)")}
-        if "trajectory_ids" not in have:  # a store written before the column existed
-            self._db.execute(
-                "ALTER TABLE groups ADD COLUMN trajectory_ids TEXT NOT NULL DEFAULT ''"
-            )
-        if "revisions" not in have:  # a store written before swaps recorded revisions
-            self._db.execute("ALTER TABLE groups ADD COLUMN revisions TEXT NOT NULL DEFAULT ''")
-        if "reward_sum" not in have:  # a store written before per-task rewards
-            self._db.execute("ALTER TABLE groups ADD COLUMN reward_sum REAL NOT NULL DEFAULT 0")
+        self._migrate()
         self.epoch = 0
         self._db_lock = threading.Lock()
         self._buffer: deque[StoredGroup] = deque()
@@ -113,6 +194,23 @@ class TrajectoryStore:
         self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
         self._closed = False
 
+    def _migrate(self) -> None:
+        """Bring a store written by an older jetctl up to this schema (in place)."""
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(groups)")}
+        added = {
+            "trajectory_ids": "TEXT NOT NULL DEFAULT ''",  # before the ledger
+            "revisions": "TEXT NOT NULL DEFAULT ''",  # before swaps recorded revisions
+            "reward_sum": "REAL NOT NULL DEFAULT 0",  # before per-task rewards
+            "refusal": "TEXT NOT NULL DEFAULT ''",  # before refusals had a column
+        }
+        for column, decl in added.items():
+            if column not in have:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(f"ALTER TABLE groups ADD COLUMN {column} {decl}")
+                if column == "refusal":
+                    self._db.execute(MIGRATE_REFUSAL)
+                self._db.execute("COMMIT")
+
     # --- lifecycle -------------------------------------------------------------------
 
     def open(self, trained_through_step: int) -> int:
@@ -120,7 +218,8 @@ class TrajectoryStore:
 
         A group marked trained at a step later than the checkpoint we resumed from was
         never seen by the restored weights, so it is buffered again (trained once in the
-        surviving model's history). Returns how many groups are buffered.
+        surviving model's history). Returns how many groups are buffered (this may pass
+        `max_buffer_groups`: then new groups are refused as busy until it drains).
         """
         with self._db_lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -136,13 +235,19 @@ class TrajectoryStore:
             )
             self._db.execute("COMMIT")
             rows = self._db.execute(
-                "SELECT payload, received_at FROM groups WHERE state='buffered' "
-                "ORDER BY received_at"
+                "SELECT id, task, n_traj, min_version, trajectory_ids, revisions, reward_sum, "
+                "payload, received_at FROM groups WHERE state='buffered' ORDER BY received_at"
             ).fetchall()
         with self._buffer_cond:
             self._buffer.clear()
-            for payload, received_at in rows:
-                self._buffer.append(StoredGroup(self._codec.decode(payload), received_at))
+            for gid, task, n, min_version, ids, revisions, reward_sum, payload, at in rows:
+                facts = GroupFacts(
+                    id=gid, task=task, n_trajectories=n, min_version=min_version,
+                    trajectory_ids=tuple(ids.split(",")) if ids else (),
+                    revisions=tuple(revisions.split(",")) if revisions else (),
+                    reward_sum=reward_sum,
+                )
+                self._buffer.append(StoredGroup(facts, payload, at, self._codec.decode))
         self._writer.start()
         return len(rows)
 
@@ -159,11 +264,22 @@ class TrajectoryStore:
     # --- writes ----------------------------------------------------------------------
 
     def put(
-        self, group: TrajectoryGroup, payload: bytes, outcome: Outcome = "accepted", reason: str = ""
+        self,
+        group: GroupFacts | Any,
+        payload: bytes,
+        outcome: Outcome = "accepted",
+        reason: str = "",
     ) -> Future[PutResult]:
-        """Record a group; the future resolves once committed (or found as a duplicate)."""
+        """Record a group; the future resolves once committed (or found as a duplicate).
+
+        `group` is its `GroupFacts` (the server's path: admission read them in its one
+        pass), or a group (dataclass or protobuf) to read them from. `payload` is the
+        group's protobuf bytes; `outcome` what to record when the id is new: accepted,
+        stale or revision. An accepted group that would pass `max_buffer_groups` is not
+        stored: it resolves to `busy`, to be sent again later."""
+        facts = group if isinstance(group, GroupFacts) else GroupFacts.of(group)
         fut: Future[PutResult] = Future()
-        self._queue.put(_PutRequest(group, payload, outcome, reason, fut))
+        self._queue.put(_PutRequest(facts, payload, outcome, reason, fut))
         return fut
 
     def _write_loop(self) -> None:
@@ -172,7 +288,7 @@ class TrajectoryStore:
             if first is None:
                 return
             batch = [first]
-            while len(batch) < 512:
+            while len(batch) < MAX_BATCH:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -184,45 +300,55 @@ class TrajectoryStore:
             self._commit(batch)
 
     def _commit(self, batch: list[_PutRequest]) -> None:
+        """One transaction for the whole batch: look every id up at once, insert the new."""
         results: list[PutResult] = []
         accepted: list[StoredGroup] = []
+        rows: list[tuple[Any, ...]] = []
         now = time.time()
+        # the trainer only takes from the buffer meanwhile, so the room can only grow
+        room = self.max_buffer_groups - len(self._buffer)
         try:
             with self._db_lock:
                 self._db.execute("BEGIN IMMEDIATE")
-                for req in batch:
-                    g = req.group
-                    row = self._db.execute(
-                        "SELECT state, reason FROM groups WHERE id=?", (g.id,)
-                    ).fetchone()
-                    if row is not None:
-                        results.append(_recorded_outcome(row[0], row[1]))
-                        continue
-                    state = "buffered" if req.outcome == "accepted" else "rejected"
-                    reason = req.reason if state == "rejected" else ""
-                    if state == "rejected" and not reason:
-                        reason = req.outcome
-                    self._db.execute(
-                        "INSERT INTO groups (id, task, n_traj, min_version, state, reason, "
-                        "received_at, payload, trajectory_ids, revisions, reward_sum) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (
-                            g.id,
-                            g.task,
-                            len(g.trajectories),
-                            g.min_version,
-                            state,
-                            reason,
-                            now,
-                            req.payload if state == "buffered" else None,
-                            ",".join(t.id for t in g.trajectories),
-                            ",".join(sorted({t.client_revision for t in g.trajectories})),
-                            math.fsum(t.reward for t in g.trajectories),
-                        ),
+                ids = [req.facts.id for req in batch]
+                known: dict[str, PutResult] = {
+                    gid: _recorded_outcome(state, refusal, reason)
+                    for gid, state, refusal, reason in self._db.execute(
+                        "SELECT id, state, refusal, reason FROM groups WHERE id IN "
+                        f"({','.join('?' * len(ids))})",
+                        ids,
                     )
-                    results.append(PutResult(req.outcome, req.reason))
-                    if state == "buffered":
-                        accepted.append(StoredGroup(g, now))
+                }
+                for req in batch:
+                    f = req.facts
+                    if f.id in known:
+                        results.append(known[f.id])
+                        continue
+                    if req.outcome == "accepted" and room <= 0:
+                        results.append(PutResult("busy", _busy_reason(self.max_buffer_groups)))
+                        continue
+                    buffered = req.outcome == "accepted"
+                    refusal = "" if buffered else req.outcome
+                    reason = "" if buffered else (req.reason or req.outcome)
+                    rows.append((
+                        f.id, f.task, f.n_trajectories, f.min_version,
+                        "buffered" if buffered else "rejected", reason, refusal, now,
+                        req.payload if buffered else None, ",".join(f.trajectory_ids),
+                        ",".join(f.revisions), f.reward_sum,
+                    ))
+                    result = PutResult(req.outcome, req.reason)
+                    results.append(result)
+                    # the same id twice in one batch: the second hears what the first got
+                    known[f.id] = result if not buffered else PutResult("duplicate", "")
+                    if buffered:
+                        room -= 1
+                        accepted.append(StoredGroup(f, req.payload, now, self._codec.decode))
+                self._db.executemany(
+                    "INSERT INTO groups (id, task, n_traj, min_version, state, reason, refusal, "
+                    "received_at, payload, trajectory_ids, revisions, reward_sum) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    rows,
+                )
                 self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             with self._db_lock:
@@ -247,9 +373,9 @@ class TrajectoryStore:
         """The outcome a group already stored would get again (None: never stored)."""
         with self._db_lock:
             row = self._db.execute(
-                "SELECT state, reason FROM groups WHERE id=?", (group_id,)
+                "SELECT state, refusal, reason FROM groups WHERE id=?", (group_id,)
             ).fetchone()
-        return None if row is None else _recorded_outcome(row[0], row[1])
+        return None if row is None else _recorded_outcome(*row)
 
     # --- the trainer's side ----------------------------------------------------------
 
@@ -297,12 +423,17 @@ class TrajectoryStore:
                 (through_step,),
             )
 
-    def mark_rejected(self, group_ids: list[str], reason: str) -> None:
+    def mark_rejected(
+        self, group_ids: list[str], reason: str, refusal: Refusal = "stale"
+    ) -> None:
+        """Refuse buffered groups after all (the trainer's batch-time staleness gate)."""
+        if refusal not in REFUSALS:
+            raise ValueError(f"refusal {refusal!r} is not one of {', '.join(REFUSALS)}")
         with self._db_lock:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany(
-                "UPDATE groups SET state='rejected', reason=?, payload=NULL WHERE id=?",
-                [(reason, gid) for gid in group_ids],
+                "UPDATE groups SET state='rejected', refusal=?, reason=?, payload=NULL WHERE id=?",
+                [(refusal, reason, gid) for gid in group_ids],
             )
             self._db.execute("COMMIT")
 
@@ -312,19 +443,22 @@ class TrajectoryStore:
     def buffer_depth(self) -> int:
         return len(self._buffer)
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        """Trajectory and group counts by state (and by rejection reason)."""
+    def counts(self) -> StoreCounts:
+        """Trajectory and group counts by state, and of the rejected ones by refusal."""
         with self._db_lock:
             rows = self._db.execute(
-                "SELECT state, reason, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, reason"
+                "SELECT state, refusal, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, refusal"
             ).fetchall()
-        groups: dict[str, int] = {}
-        trajs: dict[str, int] = {}
-        for state, reason, n_groups, n_traj in rows:
-            key = f"rejected:{reason}" if state == "rejected" else state
+        out = StoreCounts({}, {}, {}, {})
+        for state, refusal, n_groups, n_traj in rows:
+            groups, trajs = (
+                (out.rejected_groups, out.rejected_trajectories)
+                if state == "rejected" else (out.groups, out.trajectories)
+            )
+            key = refusal if state == "rejected" else state
             groups[key] = groups.get(key, 0) + int(n_groups)
             trajs[key] = trajs.get(key, 0) + int(n_traj or 0)
-        return {"groups": groups, "trajectories": trajs}
+        return out
 
     def received_by_task(self) -> dict[str, int]:
         with self._db_lock:
@@ -357,10 +491,14 @@ class GroupCodec:
         return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(payload))
 
 
-def _recorded_outcome(state: str, reason: str) -> PutResult:
+def _recorded_outcome(state: str, refusal: str, reason: str) -> PutResult:
     if state == "rejected":
-        code = reason.split(":", 1)[0]
-        if code in ("stale", "invalid", "revision"):
-            return PutResult(code, reason)  # type: ignore[arg-type]
-        return PutResult("invalid", reason)
+        return PutResult(cast(Refusal, refusal), reason)
     return PutResult("duplicate", "")
+
+
+def _busy_reason(limit: int) -> str:
+    return (
+        f"busy: the server holds {limit} untrained groups (limits.max_buffer_groups); "
+        "not stored, send it again later"
+    )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sqlite3
 from pathlib import Path
 
 import pytest
 
+from jetctl.ledger import Ledger, LedgerError, build_ledger
 from jetctl.proto.convert import group_to_pb
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import GroupCodec, GroupFacts, PutResult, TrajectoryStore
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
@@ -60,8 +62,7 @@ def test_trained_after_checkpoint_goes_back_to_buffer(tmp_path: Path) -> None:
     store.close()
     store = _open(tmp_path / "s.sqlite", trained_through=5)
     assert {s.group.id for s in store.take(5, timeout_s=0.1)} == {groups[1].id, groups[2].id}
-    counts = store.counts()["groups"]
-    assert counts == {"trained": 1, "buffered": 2}
+    assert store.counts().groups == {"trained": 1, "buffered": 2}
     store.close()
 
 
@@ -115,4 +116,98 @@ def test_reward_by_task_is_the_mean_of_each_tasks_recent_accepted_groups(tmp_pat
     assert store.reward_by_task(last_groups=2) == {"web": 0.75, "code": 0.5}
     assert store.reward_by_task() == {"web": 0.5, "code": 0.5}
     assert store.received_by_task() == {"web": 6, "code": 5}
+    store.close()
+
+
+def test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing(tmp_path: Path) -> None:
+    """The buffer is bounded: past max_buffer_groups a new group is not stored (busy), a
+    resend of a stored one is still a duplicate, and room made by training is used again."""
+    store = TrajectoryStore(tmp_path / "s.sqlite", decode=GroupCodec(), max_buffer_groups=2)
+    store.open(trained_through_step=0)
+    groups = [make_group() for _ in range(3)]
+    payloads = [group_to_pb(g).SerializeToString() for g in groups]
+    outcomes = [store.put(g, p).result(5).outcome for g, p in zip(groups, payloads)]
+    assert outcomes == ["accepted", "accepted", "busy"]
+    assert store.buffer_depth == 2 and store.recorded(groups[2].id) is None
+    assert store.counts().groups == {"buffered": 2}
+    assert store.put(groups[0], payloads[0]).result(5).outcome == "duplicate"
+    assert store.put(groups[2], payloads[2]).result(5).outcome == "busy"
+    taken = store.take(1, timeout_s=0.1)
+    store.mark_trained([s.id for s in taken], step=1)
+    assert store.put(groups[2], payloads[2]).result(5).outcome == "accepted"
+    assert store.buffer_depth == 2
+    store.close()
+
+
+def test_a_refusal_has_its_own_column_and_no_reason_is_parsed(tmp_path: Path) -> None:
+    """The refusal is stored as data: a reason that does not start with the code (the old
+    store read the code back from the reason's prefix) keeps its refusal."""
+    store = _open(tmp_path / "s.sqlite")
+    stale, revision = make_group(), make_group()
+    store.put(stale, b"", "stale", "lag 9 > max_staleness 2").result(5)
+    store.put(revision, b"", "revision", "client revision r0 is refused").result(5)
+    assert store.recorded(stale.id) == PutResult("stale", "lag 9 > max_staleness 2")
+    assert store.recorded(revision.id) == PutResult("revision", "client revision r0 is refused")
+    assert store.counts().rejected_groups == {"stale": 1, "revision": 1}
+    accepted = make_group()
+    store.put(accepted, group_to_pb(accepted).SerializeToString()).result(5)
+    store.take(1, timeout_s=0.1)
+    store.mark_rejected([accepted.id], "too old at batch time")
+    assert store.recorded(accepted.id) == PutResult("stale", "too old at batch time")
+    store.close()
+
+
+OLD_SCHEMA = """
+CREATE TABLE groups (id TEXT PRIMARY KEY, task TEXT NOT NULL, n_traj INTEGER NOT NULL,
+    min_version INTEGER NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    step INTEGER, received_at REAL NOT NULL, payload BLOB,
+    trajectory_ids TEXT NOT NULL DEFAULT '', revisions TEXT NOT NULL DEFAULT '',
+    reward_sum REAL NOT NULL DEFAULT 0);
+INSERT INTO groups (id, task, n_traj, min_version, state, reason, received_at, trajectory_ids)
+VALUES ('g-stale', 'digits', 1, 0, 'rejected', 'stale: lag 3 > max_staleness 2', 1.0, 'a'),
+       ('g-rev', 'digits', 1, 0, 'rejected', 'revision: client revision r0 is refused', 1.0, 'b'),
+       ('g-bad', 'digits', 1, 0, 'rejected', 'invalid: token id outside the vocabulary', 1.0, 'c');
+"""
+
+
+def test_a_store_written_before_the_refusal_column_is_migrated_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    with sqlite3.connect(path) as db:
+        db.executescript(OLD_SCHEMA)
+    with pytest.raises(LedgerError, match="older jetctl"):  # read-only readers refuse it
+        build_ledger_of_store(path)
+    store = _open(path)
+    assert store.counts().rejected_groups == {"stale": 1, "revision": 1, "invalid": 1}
+    assert store.recorded("g-rev") == PutResult(
+        "revision", "revision: client revision r0 is refused"
+    )
+    store.close()
+    assert build_ledger_of_store(path).rejected == {"stale": 1, "revision": 1, "invalid": 1}
+
+
+def build_ledger_of_store(path: Path) -> Ledger:
+    run_dir = path.parent / "run"
+    (run_dir / "server-policy").mkdir(parents=True, exist_ok=True)
+    target = run_dir / "server-policy" / "store.sqlite"
+    target.unlink(missing_ok=True)
+    target.symlink_to(path)
+    return build_ledger(run_dir)
+
+
+def test_the_buffer_keeps_the_bytes_as_received_and_decodes_on_first_use(
+    tmp_path: Path,
+) -> None:
+    g = make_group(rewards=(0.25, 0.75))
+    payload = group_to_pb(g).SerializeToString()
+    store = _open(tmp_path / "s.sqlite")
+    facts = GroupFacts.of(group_to_pb(g))
+    assert facts == GroupFacts.of(g)
+    assert store.put(facts, payload).result(5).outcome == "accepted"
+    (held,) = store.take(1, timeout_s=0.1)
+    assert held.payload is payload and "group" not in held.__dict__  # not decoded yet
+    assert held.id == g.id and held.lag(3) == 3 and held.group == g
+    store.close()
+    store = _open(tmp_path / "s.sqlite")  # reloaded after a restart: the same bytes, facts
+    (again,) = store.take(1, timeout_s=0.1)
+    assert again.payload == payload and again.facts == facts and again.group == g
     store.close()

@@ -4,7 +4,6 @@ groups, the KL penalty, checkpoint cadence and resume (folders and fsspec URLs).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import pytest
@@ -15,7 +14,6 @@ from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
 from jetctl.server.adapter import adapter_mode
 from jetctl.server.trainer import Trainer, load_trainable
-from jetctl.types import TrajectoryGroup
 from tests.factories import make_group
 from tests.server.trainer_support import (
     PROMPT,
@@ -32,12 +30,12 @@ pytestmark = pytest.mark.unit
 def test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, config(max_staleness=1))
     late = submit(trainer, version=0)  # fresh when accepted ...
-    trainer.store.take(1, timeout_s=0.1)  # ... but it waits while two other steps happen
+    (held,) = trainer.store.take(1, timeout_s=0.1)  # ... but waits while two steps happen
     for _ in range(2):
         submit(trainer)
         assert step(trainer) is not None
     assert trainer.version == 2
-    trainer.store.give_back([_stored(late)])
+    trainer.store.give_back([held])
     before = weights(trainer.model)
     assert step(trainer) is None, "no step on a batch whose only group is stale"
     assert trainer.version == 2 and same_weights(before, weights(trainer.model))
@@ -46,12 +44,6 @@ def test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time(tmp_path
     assert "at batch time" in recorded.reason
     assert trainer.figures.stale_at_batch == len(late.trajectories)
     assert trainer.store.buffer_depth == 0
-
-
-def _stored(group: TrajectoryGroup) -> Any:
-    from jetctl.server.store import StoredGroup
-
-    return StoredGroup(group, 0.0)
 
 
 def test_zero_variance_groups_change_no_weight(tmp_path: Path) -> None:

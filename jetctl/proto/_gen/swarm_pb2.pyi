@@ -174,12 +174,14 @@ class Ack(_message.Message):
         STALE: _ClassVar[Ack.Code]
         INVALID: _ClassVar[Ack.Code]
         REVISION: _ClassVar[Ack.Code]
+        BUSY: _ClassVar[Ack.Code]
     CODE_UNSPECIFIED: Ack.Code
     ACCEPTED: Ack.Code
     DUPLICATE: Ack.Code
     STALE: Ack.Code
     INVALID: Ack.Code
     REVISION: Ack.Code
+    BUSY: Ack.Code
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
