@@ -21,27 +21,105 @@ def register(app: typer.Typer) -> None:
         seconds: Annotated[float, typer.Option(help="Seconds per mode.")] = 10.0,
         group_bytes: Annotated[int, typer.Option(help="Approximate bytes per group.")] = 4096,
         processes: Annotated[int, typer.Option(help="Client processes.")] = 2,
+        modes: Annotated[str, typer.Option(
+            help="Comma-separated modes: unary or stream, :N for N groups per call "
+                 "(a node sends up to 8 from its spool).")] = "unary,stream,unary:8",
+        floor: Annotated[bool, typer.Option(
+            help="Also measure each mode against a gRPC server that parses and acks without "
+                 "checking or storing: the floor gRPC itself sets on this machine.")] = False,
     ) -> None:
-        """Groups/s a real server acks (durably) from K clients; unary vs streaming."""
+        """Groups/s a real server acks (durably) from K clients, and where the CPU goes."""
         from rich.console import Console
         from rich.table import Table
 
-        from jetctl.bench.ingest import run
+        from jetctl.bench.ingest import parse_modes, run
+        from jetctl.bench.serve import BenchError
+        from jetctl.cli.errors import fail
 
+        try:
+            chosen = parse_modes(modes)
+        except ValueError as exc:
+            fail(f"--modes {modes!r}: {exc}")
+        if clients < processes or processes < 1:
+            fail(f"--clients ({clients}) must be at least --processes ({processes}), "
+                 "which must be at least 1")
         console = Console()
-        with console.status(f"starting a server and {clients} clients..."):
-            results = run(clients=clients, seconds=seconds, group_bytes=group_bytes,
-                          processes=processes)
-        table = Table(title=f"jetctl bench ingest: {clients} clients, ~{group_bytes} B groups")
-        for col in ("mode", "groups/s", "MB/s", "p50 ack ms", "p99 ack ms", "not accepted",
-                    "vs unary"):
+        if not console.is_terminal:  # piped or logged: keep the table whole
+            console = Console(width=max(console.width, 160))
+        try:
+            with console.status(f"starting a server and {clients} clients..."):
+                out = run(clients=clients, seconds=seconds, group_bytes=group_bytes,
+                          processes=processes, modes=chosen, floor=floor)
+        except BenchError as exc:
+            fail(str(exc))
+        size = out.results[0].group_bytes
+        table = Table(title=f"jetctl bench ingest: {clients} clients in {processes} processes, "
+                            f"{size:,} B groups, {seconds:g} s per mode")
+        for col in ("server", "mode", "groups/s", "MB/s", "p50 ack ms", "p99 ack ms",
+                    "not accepted", "server cores", "server us/group", "client cores",
+                    "client us/group", "vs first"):
             table.add_column(col, justify="right")
-        base = results[0].groups_per_s
-        for r in results:
-            table.add_row(r.mode, f"{r.groups_per_s:,.0f}", f"{r.mb_per_s:.1f}",
-                          f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}", str(r.non_accepted),
-                          f"{r.groups_per_s / base:.2f}x")
+        base = out.results[0].groups_per_s
+        for r in out.results:
+            table.add_row(
+                r.server, r.mode.name, f"{r.groups_per_s:,.0f}", f"{r.mb_per_s:.1f}", f"{r.p50_ms:.1f}",
+                f"{r.p99_ms:.1f}", str(r.not_accepted), f"{r.cores(r.server_cpu_s):.2f}",
+                f"{r.us_per_group(r.server_cpu_s):,.0f}", f"{r.cores(r.client_cpu_s):.2f}",
+                f"{r.us_per_group(r.client_cpu_s):,.0f}", f"{r.groups_per_s / base:.2f}x",
+            )
         console.print(table)
+        console.print("ack latency: one call, from send to reply; cores: CPU seconds / wall "
+                      "seconds of the mode; us/group: CPU microseconds per acked group"
+                      + ("; floor: a gRPC server that parses and acks, nothing more" if floor
+                         else ""), highlight=False)
+        mark = "[green]yes[/green]" if out.nothing_lost else "[red]NO[/red]"
+        console.print(f"stored == acked: {mark} ({out.stored:,} groups in the store, "
+                      f"{out.acked:,} acked ACCEPTED)")
+        if not out.nothing_lost:
+            raise typer.Exit(1)
+
+    @bench.command("pull")
+    def pull(
+        model: Annotated[str, typer.Option(help="Model source (builtin:..., folder, HF id).")] = (
+            "builtin:smollm2-135m-instruct"),
+        kinds: Annotated[str, typer.Option(help="Comma-separated: full, lora.")] = "full,lora",
+        repeats: Annotated[int, typer.Option(help="Warm pulls per kind (median).")] = 3,
+    ) -> None:
+        """PullWeights MB/s on loopback: full weights and a LoRA adapter, cold and warm."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from jetctl.bench import pull as bp
+        from jetctl.bench.serve import BenchError
+        from jetctl.cli.errors import fail
+
+        chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
+        unknown = sorted(set(chosen) - set(bp.KINDS))
+        if unknown or not chosen:
+            fail(f"--kinds {kinds!r}: unknown {unknown}; choose from {', '.join(bp.KINDS)}")
+        if repeats < 0:
+            fail(f"--repeats ({repeats}) must be 0 or more")
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 140))
+        try:
+            with console.status("starting a server...") as status:
+                results = bp.run(model, chosen, repeats, on_kind=lambda k: status.update(
+                    f"{k}: starting a server with finetune {k} and pulling its weights..."))
+        except BenchError as exc:
+            fail(str(exc))
+        table = Table(title=f"jetctl bench pull: {model}, loopback, plaintext")
+        for col in ("kind", "pull", "MB", "seconds", "MB/s", "server CPU s", "client CPU s"):
+            table.add_column(col, justify="right")
+        for r in results:
+            table.add_row(r.kind, f"{r.phase}" + (f" (median of {r.pulls})" if r.pulls > 1 else ""),
+                          f"{r.bytes / 1e6:,.1f}", f"{r.seconds:.3f}", f"{r.mb_per_s:,.0f}",
+                          f"{r.server_cpu_s:.2f}", f"{r.client_cpu_s:.2f}")
+        console.print(table)
+        console.print("cold: the first pull of a version (the server serializes and hashes it "
+                      "once); warm: later pulls of the same version. The client is "
+                      "SwarmTransport.pull_weights: chunks reassembled, size and sha256 checked.",
+                      highlight=False)
 
     @bench.command("merge")
     def merge(

@@ -256,7 +256,11 @@ class SwarmTransport:
             metadata=self._metadata(),
             timeout=max(self.call_timeout_s, 600.0),
         )
-        buf = bytearray()
+        # hashed as the chunks arrive (hashlib drops the GIL for large updates, so this
+        # overlaps with gRPC receiving the next ones) and joined once at the end
+        digest = hashlib.sha256()
+        parts: list[bytes] = []
+        received = 0
         first: pb.WeightsChunk | None = None
         try:
             async for chunk in stream:
@@ -264,32 +268,34 @@ class SwarmTransport:
                     first = chunk
                 if chunk.version != first.version or chunk.sha256 != first.sha256:
                     raise WeightsError("PullWeights chunks of different versions in one stream")
-                if chunk.offset != len(buf):
+                if chunk.offset != received:
                     raise WeightsError(
-                        f"PullWeights chunk at offset {chunk.offset}, expected {len(buf)}"
+                        f"PullWeights chunk at offset {chunk.offset}, expected {received}"
                     )
-                buf += chunk.data
-                if len(buf) > first.total_bytes:
+                data = chunk.data
+                received += len(data)
+                if received > first.total_bytes:
                     raise WeightsError(
                         f"PullWeights sent more than total_bytes={first.total_bytes}"
                     )
+                digest.update(data)
+                parts.append(data)
         except grpc.aio.AioRpcError as e:
             self._note(e)
             raise
         self._note(None)
         if first is None:
             return None
-        if len(buf) != first.total_bytes:
-            raise WeightsError(f"PullWeights sent {len(buf)} of {first.total_bytes} bytes")
-        digest = hashlib.sha256(buf).hexdigest()
-        if digest != first.sha256:
-            raise WeightsError(f"weights sha256 {digest} != announced {first.sha256}")
+        if received != first.total_bytes:
+            raise WeightsError(f"PullWeights sent {received} of {first.total_bytes} bytes")
+        if digest.hexdigest() != first.sha256:
+            raise WeightsError(f"weights sha256 {digest.hexdigest()} != announced {first.sha256}")
         return Weights(
             version=first.version,
             kind=first.kind,
             format=first.format,
-            data=bytes(buf),
-            sha256=digest,
+            data=b"".join(parts),
+            sha256=first.sha256,
             adapter_config_json=first.adapter_config_json,
         )
 
