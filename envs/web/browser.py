@@ -133,14 +133,20 @@ class Browser:
     def _settle(self, old_page: Any, wait_s: float) -> None:
         """Wait (up to wait_s) for a navigation the action started to replace the page, then
         for the new page to finish loading; an action that did not navigate costs wait_s."""
-        from selenium.common.exceptions import TimeoutException
-        from selenium.webdriver.support import expected_conditions
+        from selenium.common.exceptions import TimeoutException, WebDriverException
         from selenium.webdriver.support.wait import WebDriverWait
 
+        def replaced(_: Any) -> bool:
+            # Chromium reports a node of a replaced document as stale, or (racing the
+            # navigation) as "Node with given id does not belong to the document"
+            try:
+                old_page.is_enabled()
+            except WebDriverException:
+                return True
+            return False
+
         try:
-            WebDriverWait(self.driver, wait_s, poll_frequency=0.05).until(
-                expected_conditions.staleness_of(old_page)
-            )
+            WebDriverWait(self.driver, wait_s, poll_frequency=0.05).until(replaced)
         except TimeoutException:
             return  # no navigation: the page stayed
         WebDriverWait(self.driver, PAGE_LOAD_TIMEOUT_S, poll_frequency=0.05).until(

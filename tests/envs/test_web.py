@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -206,3 +207,32 @@ def _no_stray_browsers() -> Iterator[None]:
 
     yield
     assert chromes() == set()
+
+
+@pytest.mark.unit
+def test_a_click_that_navigated_is_settled_whatever_chromium_says_about_the_old_page() -> None:
+    """Racing a navigation, Chromium may call the old page's node "not in the document"
+    instead of stale: the click still navigated, so it waits for the new page, not fails."""
+    from selenium.common.exceptions import WebDriverException
+
+    from envs.web.browser import Browser
+
+    class OldPage:
+        def is_enabled(self) -> bool:
+            raise WebDriverException(
+                'unknown error: unhandled inspector error: {"code":-32000,"message":'
+                '"Node with given id does not belong to the document"}'
+            )
+
+    class Driver:
+        def __init__(self) -> None:
+            self.states = ["loading", "complete"]
+
+        def execute_script(self, script: str) -> str:
+            return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    browser = Browser.__new__(Browser)  # no Chromium: _settle only talks to the driver
+    browser.driver = driver = Driver()
+    t0 = time.monotonic()
+    browser._settle(OldPage(), wait_s=5.0)
+    assert time.monotonic() - t0 < 1.0 and driver.states == ["complete"]
