@@ -156,6 +156,11 @@ class TrainConfig(_Strict):
     max_tokens_per_microbatch: int = Field(
         default=8192, ge=64, description="token budget of one forward/backward micro-batch"
     )
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the trainer's torch work (null: the cores generation.threads "
+        "leaves, at least one)",
+    )
     max_steps: int | None = Field(
         default=None, ge=1, description="stop training after this many steps (null: no limit)"
     )
@@ -188,6 +193,11 @@ class GenerationConfig(_Strict):
         default=20.0, ge=0, description="how long the server waits to fill a batch"
     )
     max_new_tokens: int = Field(default=256, ge=1, description="cap on any request's max_tokens")
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the engine's torch work (null: half of this host's cores "
+        "on a CPU server, the rest go to train.threads; generation and training run at once)",
+    )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"
     )

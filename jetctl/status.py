@@ -218,6 +218,9 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         # while it starts: what the server process is doing (server-<model>/phase.json)
         "phase": f.get("phase") if node.state == "starting" else None,
         "phase_since": f.get("phase_since") if node.state == "starting" else None,
+        "skipped_groups": _int(f, "skipped_groups"),
+        "no_signal_recent": _float(f, "no_signal_recent"),
+        "signal": f.get("signal") or "ok",
     }
 
 
@@ -445,9 +448,28 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
         header(doc), Text(""), models_table(doc), Text(""), tasks_table(doc), Text(""),
         clients_table(doc),
     ]
+    parts += signal_lines(doc)
     if doc.get("ledger"):
         parts += [Text(""), ledger_line(doc["ledger"])]
     return Group(*parts)
+
+
+def signal_lines(doc: dict[str, Any]) -> list[RenderableType]:
+    """A warning per server whose recent groups carry no GRPO signal (all rewards equal)."""
+    lines: list[RenderableType] = []
+    for s in doc["servers"]:
+        share = s.get("no_signal_recent") or 0.0
+        if s.get("signal") == "collapsed":
+            lines.append(Text(
+                f"{s['model']}: no learning signal: {share:.0%} of the last 64 groups scored "
+                "the same below the best reward seen (collapsed to one answer); it will not "
+                "recover by itself: lower the learning rate or raise the sampling temperature",
+                style="bold red"))
+        elif s.get("signal") == "solved":
+            lines.append(Text(
+                f"{s['model']}: {share:.0%} of the last 64 groups scored the best reward in "
+                "every rollout (solved): nothing left to learn from this task", style="yellow"))
+    return lines
 
 
 def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
@@ -464,4 +486,5 @@ def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
         )
         parts.append(bar)
     parts += [Text(""), models_table(doc, recipe), Text(""), tasks_table(doc, recipe)]
+    parts += signal_lines(doc)
     return Group(*parts)

@@ -361,7 +361,56 @@ def generation_batch_wait_ms(tmp_path: Path) -> None:
     from tests.server.test_engine_batching import batch_sizes_of_staggered_requests
 
     assert batch_sizes_of_staggered_requests(batch_wait_ms=0.0)[0] == 1
-    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4]
+    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4, 4]
+
+
+def torch_threads_seen(model: Any) -> tuple[set[int], Callable[[], None]]:
+    """The torch thread counts of the threads that run `model`'s forward, and an undo."""
+    seen: set[int] = set()
+    handle = model.register_forward_hook(lambda *_: seen.add(torch.get_num_threads()))
+    return seen, handle.remove
+
+
+def generation_threads(_: Path) -> None:
+    import asyncio
+
+    from jetctl.server.engines import GenRequest, make_engine
+    from jetctl.server.locks import WeightsLock
+
+    cfg = tiny(generation={"threads": 1})
+    model = load(cfg)
+    assert torch.get_num_threads() != 1  # the process default, which the engine overrides
+    seen, undo = torch_threads_seen(model)
+
+    async def one() -> None:
+        engine = make_engine(cfg, model, eos_token_ids=[2], pad_token_id=2,
+                             weights_lock=WeightsLock(), version=lambda: 0)
+        engine.start()
+        try:
+            await engine.generate(GenRequest([5, 6, 7], 3, 1.0, 1.0))
+        finally:
+            await engine.stop()
+
+    asyncio.run(one())
+    undo()
+    assert seen == {1}
+
+
+def train_threads(tmp_path: Path) -> None:
+    from tests.server.trainer_support import submit
+
+    trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(
+        groups_per_step=1, threads=1, max_steps=1)))
+    assert torch.get_num_threads() != 1
+    seen, undo = torch_threads_seen(trainer.model)
+    submit(trainer)
+    trainer.start()
+    deadline = time.monotonic() + 60
+    while not trainer.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    trainer.stop()
+    undo()
+    assert trainer.version == 1 and seen == {1}
 
 
 def model_seed(_: Path) -> None:
@@ -556,6 +605,8 @@ ROWS: dict[str, Row] = {
     "models.<name>.generation.max_batch_size": CoveredBy(
         ("tests/server/test_engine_batching.py::test_a_batch_holds_at_most_max_batch_size",)),
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
+    "models.<name>.generation.threads": Effect(generation_threads),
+    "models.<name>.train.threads": Effect(train_threads),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
     "models.<name>.generation.device": CoveredBy((

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from jetctl.revisions import read_refused
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
 from jetctl.server.engines import make_engine
+from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.store import GroupCodec, TrajectoryStore
@@ -50,13 +50,25 @@ class ServerOptions:
     tls: TlsFiles | None = None  # run.tls; None: plaintext
 
 
+def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
+    """(generation, training) torch CPU threads: the recipe's, or this host's cores split in
+    two, since the engine and the trainer compute at the same time. Two torch thread pools
+    that each take every core made each several times slower on a 2-core host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    gen = cfg.generation.threads or max(1, cores // 2)
+    train = cfg.train.threads or max(1, cores - gen)
+    return gen, train
+
+
 async def serve(opts: ServerOptions) -> int:
     import torch
 
     from jetctl.models import tokenizer_files
 
     cfg = opts.cfg
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    gen_threads, train_threads = cpu_threads(cfg)
+    torch.set_num_threads(gen_threads + train_threads)  # loading; each worker sets its own
     paths = RunPaths(opts.run_dir)
     paths.server_dir(opts.name).mkdir(parents=True, exist_ok=True)
     ckpt_dir = cfg.checkpoint.dir or str(paths.checkpoints(opts.name))  # or a URL
@@ -68,7 +80,7 @@ async def serve(opts: ServerOptions) -> int:
     # a builtin built on first use (SmolLM2: download, dequantize, save) reports each step
     model, tokenizer = load_trainable(cfg, progress=phase)
     metrics = ServerMetrics()
-    lock = threading.Lock()
+    lock = WeightsLock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
     store = TrajectoryStore(
         paths.store(opts.name), decode=GroupCodec(),
@@ -77,7 +89,7 @@ async def serve(opts: ServerOptions) -> int:
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
         steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
-        faults=faults,
+        faults=faults, threads=train_threads,
     )
     phase("restoring the last checkpoint")
     version = trainer.resume()
@@ -94,9 +106,13 @@ async def serve(opts: ServerOptions) -> int:
         cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
         version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
+        threads=gen_threads,
     )
     engine = serving.engine
     trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
+    take_figures = getattr(serving.engine, "take_figures", None)
+    if take_figures is not None:
+        trainer.extra_scalars = take_figures
     vocab = int(model.get_input_embeddings().weight.shape[0])
     service = SwarmService(
         model_name=opts.name,
