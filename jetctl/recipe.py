@@ -187,10 +187,12 @@ class CheckpointConfig(_Strict):
 
 class GenerationConfig(_Strict):
     max_batch_size: int = Field(
-        default=16, ge=1, description="most requests batched into one forward"
+        default=16, ge=1, description="most replies generated together (rows of a decode step)"
     )
     batch_wait_ms: float = Field(
-        default=20.0, ge=0, description="how long the server waits to fill a batch"
+        default=20.0, ge=0,
+        description="how long an idle engine waits for company before it starts (later "
+        "requests join the running batch at its next step)"
     )
     max_new_tokens: int = Field(default=256, ge=1, description="cap on any request's max_tokens")
     threads: int | None = Field(
@@ -247,8 +249,9 @@ class ModelConfig(_Strict):
     )
     engine: Literal["hf", "continuous", "vllm"] = Field(
         default="hf",
-        description="inference engine: hf (dynamic batching of HF generate), continuous "
-        "(transformers' continuous batching with a paged KV cache; for CUDA) or vllm "
+        description="inference engine: hf (continuous batching on the trainer's model: "
+        "newcomers join between decode steps), continuous (transformers' continuous batching "
+        "with a paged KV cache; for CUDA) or vllm "
         "(experimental; needs vllm installed, CUDA)",
     )
     finetune: Literal["lora", "full"] = Field(

@@ -325,7 +325,7 @@ class Trainer:
         memory.reset_peak(self.device)
         skipped = skipped or []
         sequences: list[merge.TrainSequence] = []
-        naive: list[merge.TrainSequence] = []
+        tokens_naive = 0  # what training call by call would feed (the merge statistic)
         rewards: list[float] = []  # of the groups trained on
         lags: list[int] = []
         zero_std = 0
@@ -342,11 +342,12 @@ class Trainer:
             for t, a in zip(g.trajectories, advantages):
                 response_tokens += sum(len(c.completion_ids) for c in t.calls)
                 sequences += merge.timeline_sequences(t, a, tc.merge)
-                naive += merge.timeline_sequences(t, a, "off")
+                tokens_naive += sum(
+                    len(c.prompt_ids) + len(c.completion_ids) for c in t.calls if c.completion_ids)
 
         scalars: dict[str, float] = {}
         if sequences:
-            scalars = self._optimize(sequences, naive)
+            scalars = self._optimize(sequences, tokens_naive)
         with self.lock:
             if sequences:
                 self.optimizer.step()
@@ -408,7 +409,7 @@ class Trainer:
         return scalars
 
     def _optimize(
-        self, sequences: list[merge.TrainSequence], naive: list[merge.TrainSequence]
+        self, sequences: list[merge.TrainSequence], tokens_naive: int
     ) -> dict[str, float]:
         tc = self.cfg.train
         microbatches = merge.pack(sequences, tc.merge, tc.max_tokens_per_microbatch)
@@ -419,7 +420,6 @@ class Trainer:
         w = [n / max(acc.normalizer, 1) for n, _ in acc.stats]
         stats = [st for _, st in acc.stats]
         tokens_packed = sum(mb.num_tokens for mb in microbatches)
-        tokens_naive = sum(len(s.tokens) for s in naive)
         return {
             "loss": acc.loss,
             "grad_norm": float(grad_norm),

@@ -166,20 +166,20 @@ async def test_cancelled_requests_are_never_generated() -> None:
     lock = WeightsLock()
     e = no_eos(engine(sizes, lock=lock, max_batch_size=16, batch_wait_ms=0))
     e.start()
+    lock.acquire()  # an optimizer step: requests wait for the weights
     try:
-        lock.acquire()  # an optimizer step: requests wait for the weights
         queued = [asyncio.ensure_future(e.generate(request(i))) for i in range(4)]
         await asyncio.sleep(0.1)
         queued[1].cancel()
         queued[2].cancel()
+    finally:
         lock.release()
+    try:
         await asyncio.gather(queued[0], queued[3])
         figures = e.take_figures()
         assert figures["generate/requests"] == 2
         assert sizes == [2, 2]
     finally:
-        if lock.locked():
-            lock.release()
         await e.stop()
 
 

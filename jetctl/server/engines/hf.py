@@ -70,7 +70,10 @@ class _Pending:
             else:
                 self.future.set_result(result)
 
-        self.loop.call_soon_threadsafe(settle)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's event loop is closed: nobody waits for this
+            pass
 
 
 @dataclass
@@ -301,28 +304,31 @@ class HFEngine:
         tokens = self._sample(logits, [r.pending.req for r in rows])  # [B]
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
         keep: list[int] = []
+        done: list[tuple[_Row, GenResult]] = []
         for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), chosen)):
             row.ids.append(tok)
             row.logprobs.append(lp)
             limit = max(row.pending.req.max_tokens, 1)
             if tok in row.stops:
-                row.pending.finish(GenResult(row.ids, row.logprobs, version, "stop"))
+                done.append((row, GenResult(row.ids, row.logprobs, version, "stop")))
             elif len(row.ids) >= limit:
-                row.pending.finish(GenResult(row.ids, row.logprobs, version, "length"))
+                done.append((row, GenResult(row.ids, row.logprobs, version, "length")))
             else:
                 keep.append(i)
         with self._figures_lock:
             self._figures.decode_steps += 1
             self._figures.rows += len(rows)
             self._figures.tokens += len(rows)
+        if self._on_batch:  # before the replies go out: a caller sees its own step counted
+            self._on_batch(len(rows), len(rows), time.monotonic() - t0)
+        for row, result in done:
+            row.pending.finish(result)
         if len(keep) < len(rows):
             state.select(keep)
             self._rows = [rows[i] for i in keep]
         if self._rows:
             next_ids = tokens[keep] if len(keep) < len(rows) else tokens
             state.logits = self._forward_one(state, next_ids)
-        if self._on_batch:
-            self._on_batch(len(rows), len(rows), time.monotonic() - t0)
 
     def _forward_one(self, state: _BatchState, next_ids: torch.Tensor) -> torch.Tensor:
         assert state.mask is not None and state.positions is not None
