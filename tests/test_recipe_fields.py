@@ -292,7 +292,7 @@ def train_groups_per_step(tmp_path: Path) -> None:
 
     trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(groups_per_step=2)))
     submit(trainer)
-    assert step(trainer) is None and trainer.store.buffer_depth == 1, "waits for a second group"
+    assert step(trainer) is None and trainer.groups_waiting == 1, "waits for a second group"
     submit(trainer)
     scalars = step(trainer)
     assert scalars is not None and scalars["groups"] == 2
@@ -384,7 +384,7 @@ def generation_threads(_: Path) -> None:
 
     async def one() -> None:
         engine = make_engine(cfg, model, eos_token_ids=[2], pad_token_id=2,
-                             weights_lock=WeightsLock(), version=lambda: 0)
+                             weights_lock=WeightsLock(), version=lambda: 0).engine
         engine.start()
         try:
             await engine.generate(GenRequest([5, 6, 7], 3, 1.0, 1.0))
@@ -603,7 +603,7 @@ ROWS: dict[str, Row] = {
         "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
     )),
     "models.<name>.generation.max_batch_size": CoveredBy(
-        ("tests/server/test_engine_batching.py::test_a_batch_holds_at_most_max_batch_size",)),
+        ("tests/server/test_engine_batching.py::test_no_decode_step_holds_more_than_max_batch_size",)),
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
     "models.<name>.generation.threads": Effect(generation_threads),
     "models.<name>.train.threads": Effect(train_threads),

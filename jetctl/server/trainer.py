@@ -310,6 +310,11 @@ class Trainer:
         f.best_reward = max(f.best_reward, mean)
         f.recent_signal.append((not _no_signal(s), mean))
 
+    @property
+    def groups_waiting(self) -> int:
+        """Accepted groups not yet trained: in the store's buffer or gathered for a step."""
+        return self.store.buffer_depth + len(self._ready)
+
     def give_back_ready(self) -> None:
         """Return the informative groups gathered for the next step to the store's buffer."""
         ready, self._ready = self._ready, []
@@ -392,7 +397,7 @@ class Trainer:
                 "timing/wait_s": wait_s,
                 "timing/train_s": t_train,
                 "timing/publish_s": publish_s,
-                "buffer/depth": float(self.store.buffer_depth + len(self._ready)),
+                "buffer/depth": float(self.groups_waiting),
             }
         )
         scalars.update(memory.memory_figures(self.device))
