@@ -239,6 +239,38 @@ class LimitsConfig(_Strict):
     )
 
 
+_ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_BYTE_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?[bkmg]?$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """`512m`, `2g`, `1024` (bytes) as bytes (a value `_BYTE_SIZE` accepted)."""
+    unit = text[-1].lower()
+    scale = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit)
+    return int(float(text[:-1]) * scale) if scale else int(float(text))
+
+
+class ServerResources(_Strict):
+    """What a server asks of its Ray node (runtime: ray); the process runtime reserves none."""
+
+    cpus: float | None = Field(default=None, gt=0, description="CPUs reserved (null: 1)")
+    gpus: float | None = Field(default=None, ge=0, description="GPUs reserved (null: none)")
+    memory: str | None = Field(
+        default=None, description="memory reserved, a number with b, k, m or g (e.g. 8g)"
+    )
+    custom: dict[str, float] = Field(
+        default={},
+        description="Ray custom resources the placement needs, e.g. {gpu_host: 1} (runtime: ray)",
+    )
+
+    @field_validator("memory")
+    @classmethod
+    def _byte_size(cls, value: str | None) -> str | None:
+        if value is not None and not _BYTE_SIZE.match(value):
+            raise ValueError("must be a number with an optional unit b, k, m or g, e.g. 512m or 2g")
+        return value
+
+
 class ModelConfig(_Strict):
     model: str = Field(
         description="builtin:tiny | builtin:smollm2-135m-instruct | HF repo id | local folder"
@@ -264,6 +296,19 @@ class ModelConfig(_Strict):
     generation: GenerationConfig = Field(default=GenerationConfig(), description="serving")
     limits: LimitsConfig = Field(default=LimitsConfig(), description="wire limits")
     host: str = Field(default="127.0.0.1", description="address the server binds")
+    advertise: str | None = Field(
+        default=None,
+        description="address clients dial (null: host; for a wildcard host such as 0.0.0.0, "
+        "the server's address on its route to the controller)",
+    )
+    runtime: Literal["process", "ray", "external"] = Field(
+        default="process",
+        description="process: a subprocess of the controller; ray: an actor on run.ray's "
+        "cluster; external: you start it on any host with `jetctl server --join`",
+    )
+    resources: ServerResources = Field(
+        default=ServerResources(), description="what the server reserves (runtime: ray)"
+    )
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0: pick a free port)")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics port (0: pick a free port)"
@@ -301,6 +346,15 @@ class ModelConfig(_Strict):
                     "lora: or set finetune: lora",
                 )
             )
+        if self.runtime != "ray" and "resources" in self.model_fields_set:
+            problems.append(
+                Problem(
+                    ("resources",),
+                    self.resources.model_dump(exclude_defaults=True),
+                    f"only applies to runtime: ray (this server runs as {self.runtime}, which "
+                    "reserves nothing): remove it or set runtime: ray",
+                )
+            )
         if self.port and self.port == self.metrics_port:
             problems.append(
                 Problem(
@@ -328,12 +382,11 @@ class SamplingConfig(_Strict):
 
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-_BYTE_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?[bkmg]?$", re.IGNORECASE)
 
 
 class ResourcesConfig(_Strict):
-    """Limits of one client node's container (runtime: docker); the process runtime has none."""
+    """Limits of one client node's container (runtime: docker) or what it reserves on its Ray
+    node (runtime: ray: cpus, gpus, memory, custom); the process runtime has none."""
 
     cpus: float | None = Field(
         default=None, gt=0, description="CPUs the container may use (1.5: one and a half)"
@@ -346,6 +399,14 @@ class ResourcesConfig(_Strict):
     )
     shm: str | None = Field(
         default=None, description="size of /dev/shm (Chromium wants 256m or more); null: docker's 64m"
+    )
+    gpus: float | None = Field(
+        default=None, ge=0, description="GPUs a node reserves (runtime: ray; null: none)"
+    )
+    custom: dict[str, float] = Field(
+        default={},
+        description="Ray custom resources each node needs, e.g. {cpu_host: 1} to place the "
+        "nodes on workers started with `ray start --resources '{\"cpu_host\": 8}'` (runtime: ray)",
     )
 
     @field_validator("memory", "shm")
@@ -373,8 +434,10 @@ class TaskConfig(_Strict):
         gt=0,
         description="a rollout running longer is killed and recorded as timeout",
     )
-    runtime: Literal["process", "docker"] = Field(
-        default="process", description="process: subprocesses here; docker: a container per node"
+    runtime: Literal["process", "docker", "ray"] = Field(
+        default="process",
+        description="process: subprocesses here; docker: a container per node; ray: an actor "
+        "per node on run.ray's cluster, placed in one placement group per revision",
     )
     image: str | None = Field(
         default=None,
@@ -382,7 +445,8 @@ class TaskConfig(_Strict):
         "`jetctl images build`); `jetctl swap-clients --image` replaces it for a new revision",
     )
     resources: ResourcesConfig = Field(
-        default=ResourcesConfig(), description="container limits (runtime: docker)"
+        default=ResourcesConfig(),
+        description="container limits (runtime: docker) or reservations (runtime: ray)",
     )
     docker_socket: bool = Field(
         default=False,
@@ -429,6 +493,18 @@ class TaskConfig(_Strict):
                     f"concurrency to at least {self.group_size}",
                 )
             )
+        ray_only = {"gpus", "custom"} & self.resources.model_fields_set
+        docker_only = {"pids", "shm"} & self.resources.model_fields_set
+        wrong = ray_only if self.runtime != "ray" else docker_only
+        for key in sorted(wrong):
+            problems.append(
+                Problem(
+                    ("resources", key),
+                    getattr(self.resources, key),
+                    f"only applies to runtime: {'ray' if key in ray_only else 'docker'} "
+                    f"(this task runs as {self.runtime}): remove it or change runtime",
+                )
+            )
         if self.docker_socket and self.runtime != "docker":
             problems.append(
                 Problem(
@@ -458,7 +534,47 @@ class TlsConfig(_Strict):
     hosts: list[str] = Field(
         default=[],
         description="extra DNS names or IPs clients dial, added to the generated server "
-        "certificate (127.0.0.1, localhost, this host and models.<m>.host are always in)",
+        "certificate (127.0.0.1, localhost, this host, models.<m>.host and .advertise, "
+        "run.control.host and .advertise are always in)",
+    )
+
+
+class ControlConfig(_Strict):
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the controller's Control service binds (0.0.0.0: every "
+        "interface, for nodes on other hosts)",
+    )
+    port: int = Field(
+        default=0, ge=0, le=65535,
+        description="its port (0: a free one, kept across `jetctl up --resume`)",
+    )
+    advertise: str | None = Field(
+        default=None,
+        description="address nodes on other hosts dial (null: host; for a wildcard host, the "
+        "Ray node address of the controller with runtime: ray, else 127.0.0.1)",
+    )
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(
+        default=None,
+        description="the Ray cluster of runtime: ray nodes, as `ray.init(address=...)` takes "
+        "it: host:port of its head, or auto (a cluster started on this host)",
+    )
+    namespace: str | None = Field(
+        default=None,
+        description="Ray namespace of the run's actors (null: jetctl-<run.name>); `up --resume` "
+        "and `down` find the actors there",
+    )
+    runtime_env: dict[str, object] = Field(
+        default={},
+        description="Ray runtime environment of every actor (pip, working_dir, env_vars, ...); "
+        "jetctl must be importable in it",
+    )
+    work_dir: str = Field(
+        default="/tmp/jetctl",
+        description="folder on each Ray host where its nodes keep their spools and logs",
     )
 
 
@@ -471,6 +587,10 @@ class RunConfig(_Strict):
         "read a secret with ${VAR}",
     )
     tls: TlsConfig = Field(default=TlsConfig(), description="transport security")
+    control: ControlConfig = Field(
+        default=ControlConfig(), description="the controller's address, which every node dials"
+    )
+    ray: RayConfig = Field(default=RayConfig(), description="the Ray cluster (runtime: ray)")
     duration_s: float | None = Field(
         default=None, gt=0, description="stop the run after this long (null: run until jetctl down)"
     )
@@ -503,8 +623,27 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _tasks_name_known_models(self) -> Recipe:
         task_models = {name: task.model for name, task in self.tasks.items()}
-        _raise_problems(_recipe_problems(task_models, self.models, self.models, self.tasks))
+        problems = _recipe_problems(task_models, self.models, self.models, self.tasks)
+        on_ray = [("models", m) for m, c in self.models.items() if c.runtime == "ray"]
+        on_ray += [("tasks", t) for t, c in self.tasks.items() if c.runtime == "ray"]
+        if on_ray and not self.run.ray.address:
+            where = ", ".join(f"{a}.{b}" for a, b in on_ray)
+            problems.append(
+                Problem(
+                    ("run", "ray", "address"),
+                    None,
+                    f"is needed by runtime: ray ({where}): give the cluster's head, e.g. "
+                    "10.0.0.5:6379, or auto for a cluster started on this host",
+                )
+            )
+        _raise_problems(problems)
         return self
+
+    @property
+    def uses_ray(self) -> bool:
+        return any(c.runtime == "ray" for c in self.models.values()) or any(
+            c.runtime == "ray" for c in self.tasks.values()
+        )
 
     @property
     def run_dir(self) -> str:

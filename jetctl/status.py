@@ -239,7 +239,8 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "model": node.model,
         "state": state,
         "process_state": node.state,
-        "pid": node.pid or None,
+        # the runtime's pid; else (a Ray actor, a node that joined) the one it reports
+        "pid": node.pid or f.get("pid") or None,
         "container_id": node.container_id or None,
         "restarts": node.restarts,
         "revision": node.revision,
@@ -252,6 +253,7 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "acks": f.get("acks") or {},
         "dropped": f.get("dropped") or {},
         "updated_at": f.get("updated_at"),
+        "address": f.get("address"),  # where it runs, as the controller sees it
     }
 
 

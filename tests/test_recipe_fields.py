@@ -557,6 +557,13 @@ ROWS: dict[str, Row] = {
         ("tests/security/test_tls.py::test_up_makes_certificates_once_and_checks_user_files",)),
     "run.tls.hosts": CoveredBy(
         ("tests/security/test_tls.py::test_generated_certificates_name_loopback_and_keep_keys_private",)),
+    "run.control.host": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.control.port": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.control.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.ray.address": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.namespace": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.runtime_env": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.work_dir": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
     "run.duration_s": CoveredBy(
         (f"{CONTROLLER}::test_duration_stops_the_run_and_sigkills_a_node_that_ignores_sigterm",)),
     "run.restart_backoff_s": Effect(restart_backoff, integration=True),
@@ -623,6 +630,12 @@ ROWS: dict[str, Row] = {
         "tests/server/test_store.py::test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing",
     )),
     "models.<name>.host": Served(served_host),
+    "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
+    "models.<name>.resources.cpus": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
+    "models.<name>.resources.gpus": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
+    "models.<name>.resources.memory": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
+    "models.<name>.resources.custom": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
     "models.<name>.port": Effect(run_token_and_ports, integration=True),
     "models.<name>.metrics_port": Effect(run_token_and_ports, integration=True),
     "models.<name>.seed": Effect(model_seed),
@@ -652,6 +665,8 @@ ROWS: dict[str, Row] = {
         (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
     "tasks.<name>.resources.shm": CoveredBy(
         (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.resources.gpus": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group",)),
+    "tasks.<name>.resources.custom": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
     "tasks.<name>.docker_socket": CoveredBy((
         f"{DOCKER}::test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes",
         "tests/test_recipe.py::test_docker_socket_needs_the_docker_runtime",

@@ -63,6 +63,7 @@ class Delivery:
         *,
         options: DeliveryOptions = DeliveryOptions(),
         on_revision_refused: Callable[[], None] = lambda: None,
+        on_acked: Callable[[float, int], None] | None = None,
     ) -> None:
         self.spool = spool
         self.transport = transport
@@ -70,6 +71,7 @@ class Delivery:
         self.metrics = metrics
         self.opts = options
         self._on_revision_refused = on_revision_refused
+        self._on_acked = on_acked  # (seconds the Submit took, groups it acked): benchmarks
         # groups per Submit; drops to 1 after a whole request was refused, to isolate the bad one
         self._batch = options.batch_groups
         self._wake = asyncio.Event()
@@ -143,6 +145,7 @@ class Delivery:
             size += len(item.payload)
         if not batch:
             return len(due)
+        t0 = time.perf_counter()
         try:
             reply = await self._timed_submit(
                 [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
@@ -164,6 +167,8 @@ class Delivery:
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
             return len(batch)
+        if self._on_acked is not None:
+            self._on_acked(time.perf_counter() - t0, len(batch))
         if self._link_down_since is not None:
             # the link is back: everything deferred goes now, not after its backoff
             resent = self.spool.retry_now()

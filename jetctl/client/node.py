@@ -6,9 +6,13 @@
 
 What one node does (docs/architecture.md sections 1, 2, 6):
 
-1. Register with the task's model server (endpoint from `<run_dir>/servers/<model>.json`,
-   retried until it answers) and rebuild its tokenizer from the reply.
-2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery and the status file.
+1. Register with the task's model server (endpoint from the controller through its control
+   link, jetctl.link; a node without one reads `<run_dir>/servers/<model>.json`), retried
+   until it answers, and rebuild its tokenizer from the reply.
+2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery, and the status sync:
+   about once a second its status figures and its spool's ledger records (jetctl.journal)
+   go to the controller, which answers with endpoints, refused revisions and drain orders
+   (a node without a link writes `<run_dir>/nodes/<name>.json` instead).
 3. Produce (production.py): run the agent on the env's tasks, `group_size` rollouts per
    task, and spool each GRPO group (durable).
 4. Deliver (delivery.py): push the spooled groups until each has an ack; a group leaves the
@@ -30,7 +34,9 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +56,16 @@ from jetctl.client.transport import (
     ServerBackend,
     SwarmTransport,
 )
+from jetctl.journal import SPOOL_TABLES, Journal
+from jetctl.link import ControlLink, Identity
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.recipe import TaskConfig
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+FINAL_SYNC_S = 3.0  # the drain keeps this long for the last sync with the controller
 
 __all__ = ["ClientNode", "NodeConfig", "NodeStats"]
 
@@ -65,7 +75,7 @@ class NodeConfig:
     name: str
     task_name: str
     task: TaskConfig
-    run_dir: Path
+    run_dir: Path  # the node's own folder: spool/<name>.sqlite (and logs)
     token: str
     index: int = 0
     revision: str = "default"
@@ -79,8 +89,13 @@ class NodeConfig:
     resend_max_s: float = 30.0
     probe_s: float = 2.0  # while Submit fails, resend the oldest group this often
     install_signal_handlers: bool = True
-    endpoint: str | None = None  # fixed server endpoint instead of servers/<model>.json
+    endpoint: str | None = None  # fixed server endpoint (chaos's proxy, tests)
     tls: TlsFiles | None = None  # run.tls; None: plaintext
+    link: ControlLink | None = None  # the controller; None: a node on its own (files)
+    # benchmarks: makes the node's producer (an object with `async run()` and `backpressure`)
+    # instead of the agent's rollouts; its Submit latencies go to `on_acked`
+    make_producer: Callable[[ClientNode], Any] | None = None
+    on_acked: Callable[[float, int], None] | None = None
 
     @property
     def agent_spec(self) -> str:
@@ -97,10 +112,20 @@ class ClientNode:
         self.metrics_port: int | None = None
         self.paths = RunPaths(config.run_dir)
         self.spool = Spool(self.paths.spool(config.name))
+        # every change the ledger reads, journaled in the spool's own transactions
+        self.journal = Journal.install(self.spool.path, SPOOL_TABLES)
+        self.link = config.link
+        self.identity = Identity(
+            name=config.name, kind="client", task=config.task_name, model=self.model,
+            revision=config.revision,
+        )
+        link = config.link
         # live rollouts (pid, start time): a restart kills what a killed predecessor left
         self._rollout_registry = self.paths.rollouts(config.name)
         self.transport = SwarmTransport(
-            self.model, config.token, run_dir=config.run_dir, endpoint=config.endpoint,
+            self.model, config.token, run_dir=None if link else config.run_dir,
+            endpoint=config.endpoint,
+            endpoint_source=(lambda: link.endpoint(self.model)) if link else None,
             tls=config.tls,
             # retries within a call stay short (<= 2 s apart): the spool retries for longer
             retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
@@ -112,9 +137,9 @@ class ClientNode:
                 resend_max_s=config.resend_max_s, probe_s=config.probe_s,
             ),
             # the server refuses this revision: nothing more to do here
-            on_revision_refused=self.drain,
+            on_revision_refused=self.drain, on_acked=config.on_acked,
         )
-        self.producer: Producer | None = None
+        self.producer: Any = None  # production.Producer (or a benchmark's)
         self.proxy: Proxy | None = None
         self.backend: Backend | None = None
         self.register_reply: pb.RegisterReply | None = None
@@ -182,7 +207,8 @@ class ClientNode:
 
     async def _finish(self, sender: asyncio.Task[None], status_task: asyncio.Task[None]) -> int:
         self.state = "draining"
-        await self.delivery.flush(self.config.drain_grace_s)
+        # keep a little of the grace for the last sync, which carries the last ledger records
+        await self.delivery.flush(max(0.0, self.config.drain_grace_s - FINAL_SYNC_S))
         self.delivery.stop()
         sender.cancel()  # a Submit still retrying is abandoned; its groups stay spooled
         try:
@@ -191,7 +217,7 @@ class ClientNode:
             pass
         self.state = "exited"
         status_task.cancel()
-        self._write_status()
+        await self._report(final=True)
         return 0
 
     async def _shutdown(self) -> None:
@@ -200,6 +226,8 @@ class ClientNode:
         if self._runner is not None:
             self._runner.shutdown()
         await self.transport.close()
+        if self.link is not None:
+            await self.link.close()
         self.metrics.close()
         self.spool.close()
 
@@ -220,9 +248,7 @@ class ClientNode:
                 await sleep_or(self._draining, delay)
                 delay = min(delay * 2, 10.0)
                 continue
-            # a plain revision, or `<task>/<revision>` (swap-clients --drop-old)
-            mine = {self.config.revision, f"{self.config.task_name}/{self.config.revision}"}
-            if mine & set(reply.refused_revisions):
+            if self._refused(reply.refused_revisions):
                 log.warning(
                     "server %s refuses revision %s; exiting", self.model, self.config.revision
                 )
@@ -236,6 +262,9 @@ class ClientNode:
         """Tokenizer from the Register reply, the proxy, the rollout runner, the producer."""
         reply = self.register_reply
         assert reply is not None
+        if self.config.make_producer is not None:
+            self.producer = self.config.make_producer(self)
+            return
         from jetctl.models import tokenizer_from_files
 
         loop = asyncio.get_running_loop()
@@ -284,12 +313,42 @@ class ClientNode:
             local_engine=self._local_engine,
         )
 
+    def _refused(self, refused: Iterable[str]) -> bool:
+        """A plain revision, or `<task>/<revision>` (swap-clients --drop-old)."""
+        mine = {self.config.revision, f"{self.config.task_name}/{self.config.revision}"}
+        return bool(mine & set(refused))
+
     # ------------------------------------------------------------------ status
 
     async def _status_loop(self) -> None:
         while True:
-            self._write_status()
+            await self._report()
             await asyncio.sleep(self.config.status_interval_s)
+
+    async def _report(self, final: bool = False) -> None:
+        """Status (and ledger records) to the controller, or to the status file without one;
+        follow what the controller answers."""
+        if self.link is None:
+            self._write_status()
+            return
+        sync = self.link.sync(self.identity, status=self.status(), journal=self.journal,
+                              final=final)
+        try:
+            reply = await (asyncio.wait_for(sync, FINAL_SYNC_S) if final else sync)
+        except asyncio.TimeoutError:
+            reply = None
+        if reply is None:
+            if final:
+                log.warning("last sync with the controller failed: it gets this node's last "
+                            "ledger records from the next node of this name")
+            return
+        if reply.drain and not self._draining.is_set():
+            log.info("%s", reply.message or "the controller asked this node to drain")
+            self.drain()
+        if self._refused(reply.refused_revisions) and not self._draining.is_set():
+            log.warning("server %s refuses revision %s; draining", self.model,
+                        self.config.revision)
+            self.drain()
 
     def status(self) -> dict[str, Any]:
         reachable = self.delivery.reachable
@@ -314,6 +373,8 @@ class ClientNode:
             "acks": dict(self.stats.acks),
             "dropped": dict(self.stats.dropped),
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "address": self.link.address if self.link is not None else None,
             "updated_at": time.time(),
             "metrics": f"127.0.0.1:{self.metrics_port}" if self.metrics_port else None,
             "proxy": f"127.0.0.1:{self.proxy.port}"
