@@ -13,11 +13,18 @@ section 6), or is still in flight:
     dropped(timeout | failed | dead-letter | lost)   given up by the client, with the error
     in flight: rollout | client_spool | server_buffer
 
-The ledger reads only files a run leaves behind, so it works on a live run and on a
-stopped one: each server's store (`<run_dir>/server-<model>/store.sqlite`: groups with
-their trajectory ids, state, refusal, step; the train log and the epochs of restarts) and
-each node's spool (`<run_dir>/spool/<node>.sqlite`: rollouts in progress, pending groups,
-acked outcomes, dropped trajectories). It does not trust counters; it joins ids.
+It joins ids, never counters: each server's store (groups with their trajectory ids,
+state, refusal, step; the train log and the epochs of restarts) and each node's spool
+(rollouts in progress, pending groups, acked outcomes, dropped trajectories). Those files
+live on their nodes' hosts; every change to them is journaled (jetctl.journal) and synced to
+the controller, and `build_ledger` reads the controller's copy (`<run_dir>/received.sqlite`,
+jetctl.controller.received), so it works across hosts that share no disk, on a live run and
+on a stopped one. `ledger_from_files` reads the files themselves (one host).
+
+On a live run the copy trails the nodes by a sync or two: a rollout the copy still shows in
+progress while a server already holds its group, or an ack no server's records show yet,
+count as `awaiting_reports`, not as problems, until every node has sent its last records
+(it does so when it drains).
 
 What unbalances it (each a `Problem`):
 
@@ -33,10 +40,6 @@ A group a server holds while the client still has it pending (its ack was lost, 
 client will resend it and hear DUPLICATE) counts once, by the server's state. Ids only a
 server knows (its client's spool is gone) are counted under `server_only`.
 
-Every id also counts under its model (`by_model`: a server's row names it, and every spool
-row names the model its group is for), so the books of each model of a team balance on their
-own: a rollout of a two-model team makes one id per model, each with its own outcome.
-
 Left out: the per-group `max_staleness` arithmetic (the server's reason is taken as given).
 """
 
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +64,6 @@ class Problem:
     kind: ProblemKind
     trajectory_id: str
     detail: str
-    model: str = ""  # the model the id was made for ('' when no record names it)
 
 
 class LedgerError(ValueError):
@@ -85,10 +87,7 @@ class _ClientFact:
     kind: Literal["rollout", "pending", "outcome", "dropped"]
     detail: str = ""  # outcome (accepted | duplicate | stale | invalid | revision) or drop reason
     reason: str = ""
-    model: str = ""  # the model its group is for ('' in spools written before teams)
-
-
-Bucket = Literal["trained", "rejected", "dropped", "in_flight"]
+    behind: bool = False  # its node has not sent every record yet (a live node)
 
 
 @dataclass
@@ -101,29 +100,16 @@ class Ledger:
     in_flight: Counter[str] = field(default_factory=Counter)
     server_only: int = 0
     resent_after_lost_ack: int = 0  # held by a server and still pending on a client
+    awaiting_reports: int = 0  # settled by records a live server has not sent yet
     problems: list[Problem] = field(default_factory=list)
     servers: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> epochs, version
     nodes: list[str] = field(default_factory=list)
-    # model -> (bucket, reason) -> trajectories: the same outcomes, per model
-    by_model: dict[str, Counter[tuple[str, str]]] = field(default_factory=dict)
-
-    def tally(self, model: str, bucket: Bucket, key: str = "") -> None:
-        """Count one id's outcome, in the totals and under its model."""
-        if bucket == "trained":
-            self.trained += 1
-        else:
-            getattr(self, bucket)[key] += 1
-        self.by_model.setdefault(model, Counter())[(bucket, key)] += 1
-
-    def problem(self, kind: ProblemKind, tid: str, detail: str, model: str) -> None:
-        self.problems.append(Problem(kind, tid, detail, model))
-        self.by_model.setdefault(model, Counter())
 
     @property
     def produced(self) -> int:
         return (
             self.trained + sum(self.rejected.values()) + sum(self.dropped.values())
-            + sum(self.in_flight.values()) + self.count("lost")
+            + sum(self.in_flight.values()) + self.count("lost") + self.awaiting_reports
         )
 
     def count(self, kind: ProblemKind) -> int:
@@ -145,6 +131,7 @@ class Ledger:
                           for k in ("rollout", "client_spool", "server_buffer")},
             "server_only": self.server_only,
             "resent_after_lost_ack": self.resent_after_lost_ack,
+            "awaiting_reports": self.awaiting_reports,
             "lost": self.count("lost"),
             "trained_twice": self.count("trained_twice"),
             "conflicts": self.count("conflict"),
@@ -155,27 +142,6 @@ class Ledger:
             ],
             "servers": self.servers,
             "nodes": self.nodes,
-            "by_model": {m: self.model_summary(m) for m in sorted(self.by_model)},
-        }
-
-    def model_summary(self, model: str) -> dict[str, Any]:
-        """One model's books: its ids' outcomes, and whether they balance on their own."""
-        counts = self.by_model.get(model, Counter())
-
-        def bucket(name: str) -> dict[str, int]:
-            return dict(sorted((k, n) for (b, k), n in counts.items() if b == name))
-
-        problems = [p for p in self.problems if p.model == model]
-        lost = sum(1 for p in problems if p.kind == "lost")
-        return {
-            "produced": sum(counts.values()) + lost,
-            "trained": counts.get(("trained", ""), 0),
-            "rejected": bucket("rejected"),
-            "dropped": bucket("dropped"),
-            "in_flight": bucket("in_flight"),
-            "lost": lost,
-            "problems": len(problems),
-            "balanced": not problems,
         }
 
     def render(self) -> str:
@@ -199,28 +165,13 @@ class Ledger:
             lines.append(
                 f"server {model}: {len(epochs)} start(s), resumed from versions {resumed}"
             )
-        if len(s["by_model"]) > 1:  # a team: each model's books on their own line
-            for model, b in s["by_model"].items():
-                lines.append(
-                    f"model {model or '?'}: produced {b['produced']}, trained {b['trained']}, "
-                    f"rejected {sum(b['rejected'].values())}, dropped "
-                    f"{sum(b['dropped'].values())}, in flight {sum(b['in_flight'].values())}, "
-                    f"lost {b['lost']}: {'balanced' if b['balanced'] else 'NOT BALANCED'}"
-                )
         lines += [f"  {p}" for p in s["problems"]]
         lines.append("BALANCED: every id has exactly one outcome or is in flight"
                      if self.balanced else "NOT BALANCED")
         return "\n".join(lines)
 
 
-# -- reading the files ------------------------------------------------------------------
-
-
-@contextmanager
-def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
-    """A read-only connection that sees committed WAL data of a live writer."""
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)) as db:
-        yield db
+# -- what the ledger reads: rows of the stores and facts of the spools --------------------
 
 
 def _ids(joined: str, group_id: str, n: int) -> list[str]:
@@ -228,46 +179,31 @@ def _ids(joined: str, group_id: str, n: int) -> list[str]:
     return joined.split(",") if joined else [f"{group_id}#{i}" for i in range(n)]
 
 
-def _columns(db: sqlite3.Connection, table: str) -> set[str]:
-    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+GroupRow = tuple[str, int, str, str, str, "int | None", str]  # id, n, state, refusal, reason,
+# step, ids
 
 
-def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_ServerRow]]:
+def _store_rows(
+    model: str, rows: Iterable[GroupRow], epochs: list[tuple[int, int]],
+    log: list[tuple[str, int, int]], ledger: Ledger,
+) -> dict[str, list[_ServerRow]]:
+    """Trajectory id -> the server rows that hold it, from one server's groups, epochs and
+    train log."""
+    rows = list(rows)
     by_id: dict[str, list[_ServerRow]] = {}
-    with _read_only(path) as db:
-        cols = _columns(db, "groups")
-        if "refusal" not in cols:
-            raise LedgerError(
-                f"{path} was written by an older jetctl (its refusals have no column): start "
-                "its server once with this version (jetctl up --resume) to migrate it"
-            )
-        ids_col = "trajectory_ids" if "trajectory_ids" in cols else "''"
-        rows = db.execute(
-            f"SELECT id, n_traj, state, refusal, reason, step, {ids_col} FROM groups"
-        ).fetchall()
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        epochs = (
-            db.execute("SELECT epoch, resumed_from FROM epochs ORDER BY epoch").fetchall()
-            if "epochs" in tables else []
-        )
-        log = (
-            db.execute("SELECT group_id, step, epoch FROM train_log").fetchall()
-            if "train_log" in tables else []
-        )
     surviving = _surviving_steps(epochs, log)
     ledger.servers[model] = {
-        "epochs": [{"epoch": e, "resumed_from": r} for e, r in epochs],
+        "epochs": [{"epoch": e, "resumed_from": r} for e, r in sorted(epochs)],
         "groups": len(rows),
     }
     for gid, n, state, refusal, reason, step, joined in rows:
         kept = surviving.get(gid, [])
         if len(kept) > 1:
             for tid in _ids(joined, gid, n):
-                ledger.problem(
+                ledger.problems.append(Problem(
                     "trained_twice", tid,
                     f"group {gid} on {model} trained at steps {kept} of the surviving history",
-                    model,
-                )
+                ))
         if state == "trained" and log and not kept:
             # marked trained only at steps a restart discarded: its gradient is gone
             state, reason = "lost_history", f"trained at step {step} which a restart discarded"
@@ -293,46 +229,147 @@ def _surviving_steps(
     return out
 
 
-def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
+@dataclass
+class _SpoolFacts:
+    inflight: list[tuple[str, str]] = field(default_factory=list)  # trajectory id, group id
+    pending: list[tuple[str, int, str]] = field(default_factory=list)  # group, n, ids
+    outcomes: list[tuple[str, int, str, str, str]] = field(default_factory=list)  # + outcome, reason
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # trajectory id, reason
+
+
+def _spool_facts(node: str, spool: _SpoolFacts, behind: bool) -> dict[str, list[_ClientFact]]:
     by_id: dict[str, list[_ClientFact]] = {}
 
     def add(tid: str, fact: _ClientFact) -> None:
         by_id.setdefault(tid, []).append(fact)
 
-    with _read_only(path) as db:
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "inflight" in tables:
-            m = "model" if "model" in _columns(db, "inflight") else "''"
-            for tid, gid, mm in db.execute(f"SELECT trajectory_id, group_id, {m} FROM inflight"):
-                add(tid, _ClientFact(node, gid, "rollout", model=mm))
-        has_ids = "trajectory_ids" in _columns(db, "pending")
-        ids_col = "trajectory_ids" if has_ids else "''"
-        model = {t: "model" if "model" in _columns(db, t) else "''"
-                 for t in ("inflight", "pending", "outcomes", "dropped")}
-        for gid, n, joined, m in db.execute(
-            f"SELECT id, n_trajectories, {ids_col}, {model['pending']} FROM pending"
-        ):
-            for tid in _ids(joined, gid, n):
-                add(tid, _ClientFact(node, gid, "pending", model=m))
-        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "outcomes") else "''"
-        for gid, n, outcome, reason, joined, m in db.execute(
-            f"SELECT group_id, n_trajectories, outcome, reason, {ids_col}, {model['outcomes']}"
-            " FROM outcomes"
-        ):
-            for tid in _ids(joined, gid, n):
-                add(tid, _ClientFact(node, gid, "outcome", outcome, reason, m))
-        for tid, reason, m in db.execute(
-            f"SELECT trajectory_id, reason, {model['dropped']} FROM dropped"
-        ):
-            add(tid, _ClientFact(node, "", "dropped", reason, model=m))
+    for tid, gid in spool.inflight:
+        add(tid, _ClientFact(node, gid, "rollout", behind=behind))
+    for gid, n, joined in spool.pending:
+        for tid in _ids(joined, gid, n):
+            add(tid, _ClientFact(node, gid, "pending", behind=behind))
+    for gid, n, outcome, reason, joined in spool.outcomes:
+        for tid in _ids(joined, gid, n):
+            add(tid, _ClientFact(node, gid, "outcome", outcome, reason, behind=behind))
+    for tid, reason in spool.dropped:
+        add(tid, _ClientFact(node, "", "dropped", reason, behind=behind))
     return by_id
 
 
-# -- balancing --------------------------------------------------------------------------
+# -- from what the controller received (jetctl.controller.received) ----------------------
 
 
 def build_ledger(run_dir: Path) -> Ledger:
-    """Read every store and spool of the run and classify each trajectory id once."""
+    """The ledger of a run from what its controller received of every node's journal
+    (`<run_dir>/received.sqlite`): it balances across hosts that share no disk. Ids whose
+    outcome depends on records a live node has not sent yet count as `awaiting_reports`."""
+    from jetctl.controller.received import Received
+
+    path = RunPaths(Path(run_dir)).received
+    if not path.is_file():
+        return Ledger()
+    received = Received(path)
+    try:
+        servers, clients = received.journals("server"), received.journals("client")
+    finally:
+        received.close()
+    ledger = Ledger()
+    server: dict[str, list[_ServerRow]] = {}
+    for j in sorted(servers.values(), key=lambda j: j.name):
+        t = j.tables
+        rows = [
+            (k, int(g["n_traj"]), str(g["state"]), str(g.get("refusal") or ""),
+             str(g.get("reason") or ""), g.get("step"), str(g.get("trajectory_ids") or ""))
+            for k, g in (t.get("groups") or {}).items()
+        ]
+        epochs = [(int(k), int(e["resumed_from"])) for k, e in (t.get("epochs") or {}).items()]
+        log = [(str(r["group_id"]), int(r["step"]), int(r["epoch"]))
+               for r in (t.get("train_log") or {}).values()]
+        for tid, found in _store_rows(j.name, rows, epochs, log, ledger).items():
+            server.setdefault(tid, []).extend(found)
+    client: dict[str, list[_ClientFact]] = {}
+    for j in sorted(clients.values(), key=lambda j: j.name):
+        t = j.tables
+        spool = _SpoolFacts(
+            inflight=[(k, str(r["group_id"])) for k, r in (t.get("inflight") or {}).items()],
+            pending=[(k, int(r["n_trajectories"]), str(r.get("trajectory_ids") or ""))
+                     for k, r in (t.get("pending") or {}).items()],
+            outcomes=[(k, int(r["n_trajectories"]), str(r["outcome"]), str(r["reason"]),
+                       str(r.get("trajectory_ids") or ""))
+                      for k, r in (t.get("outcomes") or {}).items()],
+            dropped=[(k, str(r["reason"])) for k, r in (t.get("dropped") or {}).items()],
+        )
+        ledger.nodes.append(j.name)
+        for tid, facts in _spool_facts(j.name, spool, behind=not j.final).items():
+            client.setdefault(tid, []).extend(facts)
+    servers_behind = any(not j.final for j in servers.values())
+    for tid in server.keys() | client.keys():
+        _classify(tid, server.get(tid, []), client.get(tid, []), ledger, servers_behind)
+    return ledger
+
+
+# -- from the files themselves (one host: tests, a run dir copied whole) ------------------
+
+
+@contextmanager
+def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection that sees committed WAL data of a live writer."""
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)) as db:
+        yield db
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _tables(db: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_ServerRow]]:
+    with _read_only(path) as db:
+        cols = _columns(db, "groups")
+        if "refusal" not in cols:
+            raise LedgerError(
+                f"{path} was written by an older jetctl (its refusals have no column): start "
+                "its server once with this version (jetctl up --resume) to migrate it"
+            )
+        ids_col = "trajectory_ids" if "trajectory_ids" in cols else "''"
+        rows = db.execute(
+            f"SELECT id, n_traj, state, refusal, reason, step, {ids_col} FROM groups"
+        ).fetchall()
+        tables = _tables(db)
+        epochs = (
+            db.execute("SELECT epoch, resumed_from FROM epochs ORDER BY epoch").fetchall()
+            if "epochs" in tables else []
+        )
+        log = (
+            db.execute("SELECT group_id, step, epoch FROM train_log").fetchall()
+            if "train_log" in tables else []
+        )
+    return _store_rows(model, rows, epochs, log, ledger)
+
+
+def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
+    spool = _SpoolFacts()
+    with _read_only(path) as db:
+        if "inflight" in _tables(db):
+            spool.inflight = db.execute("SELECT trajectory_id, group_id FROM inflight").fetchall()
+        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "pending") else "''"
+        spool.pending = db.execute(
+            f"SELECT id, n_trajectories, {ids_col} FROM pending"
+        ).fetchall()
+        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "outcomes") else "''"
+        spool.outcomes = db.execute(
+            f"SELECT group_id, n_trajectories, outcome, reason, {ids_col} FROM outcomes"
+        ).fetchall()
+        spool.dropped = db.execute("SELECT trajectory_id, reason FROM dropped").fetchall()
+    return _spool_facts(node, spool, behind=False)
+
+
+def ledger_from_files(run_dir: Path) -> Ledger:
+    """The ledger from the stores and spools under `run_dir` themselves (a run on one host,
+    or its files copied together); `build_ledger` is what the controller received."""
     paths = RunPaths(Path(run_dir))
     ledger = Ledger()
     server: dict[str, list[_ServerRow]] = {}
@@ -344,56 +381,67 @@ def build_ledger(run_dir: Path) -> Ledger:
         ledger.nodes.append(node)
         for tid, facts in _read_spool(node, path).items():
             client.setdefault(tid, []).extend(facts)
-
     for tid in server.keys() | client.keys():
-        _classify(tid, server.get(tid, []), client.get(tid, []), ledger)
+        _classify(tid, server.get(tid, []), client.get(tid, []), ledger, False)
     return ledger
 
 
-def _classify(tid: str, rows: list[_ServerRow], facts: list[_ClientFact], ledger: Ledger) -> None:
-    # the model it was made for: a server's row names it; else the spool's ('' if old)
-    model = rows[0].model if rows else next((f.model for f in facts if f.model), "")
+
+# -- balancing --------------------------------------------------------------------------
+
+
+def _classify(
+    tid: str, rows: list[_ServerRow], facts: list[_ClientFact], ledger: Ledger,
+    servers_behind: bool,
+) -> None:
+    """One id's outcome. `servers_behind`: some server's records are still to come (a live
+    run), so what only their next records could settle awaits them instead of being a
+    problem; a client fact that is `behind` likewise (its node has not sent everything)."""
     if len(rows) > 1:
         trained = [r for r in rows if r.state == "trained"]
         kind: ProblemKind = "trained_twice" if len(trained) > 1 else "conflict"
         where = ", ".join(f"{r.model}/{r.group_id} ({r.state})" for r in rows)
-        ledger.problem(kind, tid, f"in {len(rows)} server groups: {where}", model)
+        ledger.problems.append(Problem(kind, tid, f"in {len(rows)} server groups: {where}"))
     if rows:
         row = rows[0]
         for f in facts:
+            if f.kind == "rollout" and f.behind:
+                continue  # the node's records of its later state are still to come
             if f.kind in ("rollout", "dropped") or (f.kind == "outcome" and f.detail == "invalid"):
-                ledger.problem(
+                ledger.problems.append(Problem(
                     "conflict", tid,
                     f"{row.model} holds it ({row.state}) but {f.node} has it {f.kind} {f.detail}",
-                    model,
-                )
+                ))
         if not facts:
             ledger.server_only += 1
         elif all(f.kind == "pending" for f in facts):
             ledger.resent_after_lost_ack += 1
         if row.state == "trained":
-            ledger.tally(model, "trained")
+            ledger.trained += 1
         elif row.state == "rejected":
-            ledger.tally(model, "rejected", row.refusal)
+            ledger.rejected[row.refusal] += 1
         elif row.state == "buffered":
-            ledger.tally(model, "in_flight", "server_buffer")
+            ledger.in_flight["server_buffer"] += 1
+        elif servers_behind:
+            ledger.awaiting_reports += 1
         else:
-            ledger.problem("lost", tid, f"{row.model}: {row.detail}", model)
+            ledger.problems.append(Problem("lost", tid, f"{row.model}: {row.detail}"))
         return
     if len(facts) > 1:
         where = ", ".join(f"{f.node}:{f.kind} {f.detail}".strip() for f in facts)
-        ledger.problem("conflict", tid, f"in {len(facts)} places: {where}", model)
+        ledger.problems.append(Problem("conflict", tid, f"in {len(facts)} places: {where}"))
     f = facts[0]
     if f.kind == "rollout":
-        ledger.tally(model, "in_flight", "rollout")
+        ledger.in_flight["rollout"] += 1
     elif f.kind == "pending":
-        ledger.tally(model, "in_flight", "client_spool")
+        ledger.in_flight["client_spool"] += 1
     elif f.kind == "dropped":
-        ledger.tally(model, "dropped", f.detail)
+        ledger.dropped[f.detail] += 1
+    elif f.detail in ("accepted", "duplicate") and servers_behind:
+        ledger.awaiting_reports += 1  # acked; the server's record of it is still to come
     elif f.detail in ("accepted", "duplicate"):
-        ledger.problem(
+        ledger.problems.append(Problem(
             "lost", tid, f"{f.node} holds ack {f.detail} for group {f.group_id}; no server has it",
-            model,
-        )
+        ))
     else:
-        ledger.tally(model, "rejected", f.detail)
+        ledger.rejected[f.detail] += 1

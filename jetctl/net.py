@@ -1,8 +1,11 @@
-"""Addresses: a free port, and where to connect to something bound to a host."""
+"""Addresses: a free port, where to connect to something bound to a host, and which address
+of this host to advertise to peers on other hosts."""
 
 from __future__ import annotations
 
 import socket
+
+WILDCARDS = ("0.0.0.0", "", "::")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -14,4 +17,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def connect_host(host: str) -> str:
     """Where to connect to a server bound to `host` (a wildcard bind is reached on loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return "127.0.0.1" if host in WILDCARDS else host
+
+
+def route_address(target: str) -> str:
+    """This host's address on its route to `target` (host or host:port): what a peer there
+    sees us as. No packet is sent (a UDP socket's connect only picks the route)."""
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 else target
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def advertised_host(bind: str, advertise: str | None, peer: str = "") -> str:
+    """The address others dial to reach something bound to `bind`: `advertise` when given;
+    else `bind` unless it is a wildcard; else this host's address on its route to `peer`
+    (the controller), or loopback without one."""
+    if advertise:
+        return advertise
+    if bind not in WILDCARDS:
+        return bind
+    return route_address(peer) if peer else "127.0.0.1"

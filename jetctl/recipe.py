@@ -45,16 +45,6 @@ from pydantic_core import PydanticUndefined
 # --------------------------------------------------------------------------- schema
 
 
-class _Missing:
-    """The value of a Problem about a key that is not there (shown without a value)."""
-
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-MISSING = _Missing()
-
-
 class Problem(NamedTuple):
     """One cross-field problem found by a validator; `loc` is relative to its model."""
 
@@ -166,13 +156,13 @@ class TrainConfig(_Strict):
     max_tokens_per_microbatch: int = Field(
         default=8192, ge=64, description="token budget of one forward/backward micro-batch"
     )
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the trainer's torch work (null: the cores generation.threads "
+        "leaves, at least one)",
+    )
     max_steps: int | None = Field(
         default=None, ge=1, description="stop training after this many steps (null: no limit)"
-    )
-    mix: dict[str, float] = Field(
-        default={},
-        description="PLANNED, refused today: task -> share of each batch (mixing ratios). A "
-        "server's batches take groups in the order they arrive, whatever their task",
     )
 
 
@@ -197,12 +187,19 @@ class CheckpointConfig(_Strict):
 
 class GenerationConfig(_Strict):
     max_batch_size: int = Field(
-        default=16, ge=1, description="most requests batched into one forward"
+        default=16, ge=1, description="most replies generated together (rows of a decode step)"
     )
     batch_wait_ms: float = Field(
-        default=20.0, ge=0, description="how long the server waits to fill a batch"
+        default=20.0, ge=0,
+        description="how long an idle engine waits for company before it starts (later "
+        "requests join the running batch at its next step)"
     )
     max_new_tokens: int = Field(default=256, ge=1, description="cap on any request's max_tokens")
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the engine's torch work (null: half of this host's cores "
+        "on a CPU server, the rest go to train.threads; generation and training run at once)",
+    )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"
     )
@@ -242,6 +239,38 @@ class LimitsConfig(_Strict):
     )
 
 
+_ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_BYTE_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?[bkmg]?$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """`512m`, `2g`, `1024` (bytes) as bytes (a value `_BYTE_SIZE` accepted)."""
+    unit = text[-1].lower()
+    scale = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit)
+    return int(float(text[:-1]) * scale) if scale else int(float(text))
+
+
+class ServerResources(_Strict):
+    """What a server asks of its Ray node (runtime: ray); the process runtime reserves none."""
+
+    cpus: float | None = Field(default=None, gt=0, description="CPUs reserved (null: 1)")
+    gpus: float | None = Field(default=None, ge=0, description="GPUs reserved (null: none)")
+    memory: str | None = Field(
+        default=None, description="memory reserved, a number with b, k, m or g (e.g. 8g)"
+    )
+    custom: dict[str, float] = Field(
+        default={},
+        description="Ray custom resources the placement needs, e.g. {gpu_host: 1} (runtime: ray)",
+    )
+
+    @field_validator("memory")
+    @classmethod
+    def _byte_size(cls, value: str | None) -> str | None:
+        if value is not None and not _BYTE_SIZE.match(value):
+            raise ValueError("must be a number with an optional unit b, k, m or g, e.g. 512m or 2g")
+        return value
+
+
 class ModelConfig(_Strict):
     model: str = Field(
         description="builtin:tiny | builtin:smollm2-135m-instruct | HF repo id | local folder"
@@ -252,8 +281,9 @@ class ModelConfig(_Strict):
     )
     engine: Literal["hf", "continuous", "vllm"] = Field(
         default="hf",
-        description="inference engine: hf (dynamic batching of HF generate), continuous "
-        "(transformers' continuous batching with a paged KV cache; for CUDA) or vllm "
+        description="inference engine: hf (continuous batching on the trainer's model: "
+        "newcomers join between decode steps), continuous (transformers' continuous batching "
+        "with a paged KV cache; for CUDA) or vllm "
         "(experimental; needs vllm installed, CUDA)",
     )
     finetune: Literal["lora", "full"] = Field(
@@ -266,6 +296,19 @@ class ModelConfig(_Strict):
     generation: GenerationConfig = Field(default=GenerationConfig(), description="serving")
     limits: LimitsConfig = Field(default=LimitsConfig(), description="wire limits")
     host: str = Field(default="127.0.0.1", description="address the server binds")
+    advertise: str | None = Field(
+        default=None,
+        description="address clients dial (null: host; for a wildcard host such as 0.0.0.0, "
+        "the server's address on its route to the controller)",
+    )
+    runtime: Literal["process", "ray", "external"] = Field(
+        default="process",
+        description="process: a subprocess of the controller; ray: an actor on run.ray's "
+        "cluster; external: you start it on any host with `jetctl server --join`",
+    )
+    resources: ServerResources = Field(
+        default=ServerResources(), description="what the server reserves (runtime: ray)"
+    )
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0: pick a free port)")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics port (0: pick a free port)"
@@ -303,14 +346,13 @@ class ModelConfig(_Strict):
                     "lora: or set finetune: lora",
                 )
             )
-        if self.train.mix:
+        if self.runtime != "ray" and "resources" in self.model_fields_set:
             problems.append(
                 Problem(
-                    ("train", "mix"),
-                    self.train.mix,
-                    "mixing ratios are planned, not built: a server's batches take groups in "
-                    "the order they arrive, whatever their task; remove mix: (to give a task a "
-                    "larger share today, give it more clients or a larger concurrency)",
+                    ("resources",),
+                    self.resources.model_dump(exclude_defaults=True),
+                    f"only applies to runtime: ray (this server runs as {self.runtime}, which "
+                    "reserves nothing): remove it or set runtime: ray",
                 )
             )
         if self.port and self.port == self.metrics_port:
@@ -340,14 +382,11 @@ class SamplingConfig(_Strict):
 
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-_ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-DEFAULT_ROLE = "default"  # the role of every call of a task without roles:
-_BYTE_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?[bkmg]?$", re.IGNORECASE)
 
 
 class ResourcesConfig(_Strict):
-    """Limits of one client node's container (runtime: docker); the process runtime has none."""
+    """Limits of one client node's container (runtime: docker) or what it reserves on its Ray
+    node (runtime: ray: cpus, gpus, memory, custom); the process runtime has none."""
 
     cpus: float | None = Field(
         default=None, gt=0, description="CPUs the container may use (1.5: one and a half)"
@@ -361,6 +400,14 @@ class ResourcesConfig(_Strict):
     shm: str | None = Field(
         default=None, description="size of /dev/shm (Chromium wants 256m or more); null: docker's 64m"
     )
+    gpus: float | None = Field(
+        default=None, ge=0, description="GPUs a node reserves (runtime: ray; null: none)"
+    )
+    custom: dict[str, float] = Field(
+        default={},
+        description="Ray custom resources each node needs, e.g. {cpu_host: 1} to place the "
+        "nodes on workers started with `ray start --resources '{\"cpu_host\": 8}'` (runtime: ray)",
+    )
 
     @field_validator("memory", "shm")
     @classmethod
@@ -373,17 +420,7 @@ class ResourcesConfig(_Strict):
 class TaskConfig(_Strict):
     env: str = Field(description="module:factory of the environment, e.g. envs.arithmetic:make_env")
     agent: str = Field(description="module:function of the agent, e.g. agents.arithmetic:agent")
-    model: str | None = Field(
-        default=None,
-        description="the key under models: that trains on this task (a team task names its "
-        "models under roles: instead)",
-    )
-    roles: dict[str, str] = Field(
-        default={},
-        description="a team: agent role -> key under models:. The agent picks a role with the "
-        "`model` field of its OpenAI call; each role's calls train that role's model, with the "
-        "role's reward ({}: no team, one model)",
-    )
+    model: str = Field(description="the key under models: that trains on this task")
     env_args: dict[str, object] = Field(
         default={}, description="keyword arguments of the env factory"
     )
@@ -397,8 +434,10 @@ class TaskConfig(_Strict):
         gt=0,
         description="a rollout running longer is killed and recorded as timeout",
     )
-    runtime: Literal["process", "docker"] = Field(
-        default="process", description="process: subprocesses here; docker: a container per node"
+    runtime: Literal["process", "docker", "ray"] = Field(
+        default="process",
+        description="process: subprocesses here; docker: a container per node; ray: an actor "
+        "per node on run.ray's cluster, placed in one placement group per revision",
     )
     image: str | None = Field(
         default=None,
@@ -406,7 +445,8 @@ class TaskConfig(_Strict):
         "`jetctl images build`); `jetctl swap-clients --image` replaces it for a new revision",
     )
     resources: ResourcesConfig = Field(
-        default=ResourcesConfig(), description="container limits (runtime: docker)"
+        default=ResourcesConfig(),
+        description="container limits (runtime: docker) or reservations (runtime: ray)",
     )
     docker_socket: bool = Field(
         default=False,
@@ -430,30 +470,6 @@ class TaskConfig(_Strict):
     )
     seed: int = Field(default=0, description="seed of task sampling")
 
-    @property
-    def role_models(self) -> dict[str, str]:
-        """Role -> model key. A task without `roles:` has one role, `default`, on `model`."""
-        if self.roles:
-            return dict(self.roles)
-        assert self.model is not None  # the validator requires model or roles
-        return {DEFAULT_ROLE: self.model}
-
-    @property
-    def models(self) -> list[str]:
-        """The distinct model keys this task trains, in recipe order."""
-        return list(dict.fromkeys(self.role_models.values()))
-
-    @field_validator("roles")
-    @classmethod
-    def _role_names(cls, value: dict[str, str]) -> dict[str, str]:
-        bad = [role for role in value if not _ROLE_NAME.match(role)]
-        if bad:
-            raise ValueError(
-                f"role name {bad[0]!r} must be 1-64 letters, digits, '_', '.' or '-', starting "
-                "with a letter or digit (the agent sends it as the model name)"
-            )
-        return value
-
     @field_validator("env", "agent")
     @classmethod
     def _entry_point(cls, value: str) -> str:
@@ -467,33 +483,6 @@ class TaskConfig(_Strict):
     @model_validator(mode="after")
     def _group_fits(self) -> TaskConfig:
         problems = []
-        if self.model is None and not self.roles:
-            problems.append(
-                Problem(
-                    ("model",),
-                    MISSING,
-                    "required key is missing: name the key under models: that trains on this task, or give "
-                    "roles: (role: model key) for a team of models",
-                )
-            )
-        if self.model is not None and self.roles:
-            problems.append(
-                Problem(
-                    ("model",),
-                    self.model,
-                    "a team task names its models under roles: (here "
-                    f"{', '.join(f'{r}: {m}' for r, m in self.roles.items())}): remove model:",
-                )
-            )
-        if self.roles and self.inference == "local":
-            problems.append(
-                Problem(
-                    ("inference",),
-                    self.inference,
-                    "local inference serves one model on the node; a team (roles:) generates "
-                    "on its models' servers: use inference: server or remove roles:",
-                )
-            )
         if self.concurrency < self.group_size:
             problems.append(
                 Problem(
@@ -502,6 +491,18 @@ class TaskConfig(_Strict):
                     f"is less than group_size ({self.group_size}); a node runs a "
                     "group's rollouts at once so the server can batch them: set "
                     f"concurrency to at least {self.group_size}",
+                )
+            )
+        ray_only = {"gpus", "custom"} & self.resources.model_fields_set
+        docker_only = {"pids", "shm"} & self.resources.model_fields_set
+        wrong = ray_only if self.runtime != "ray" else docker_only
+        for key in sorted(wrong):
+            problems.append(
+                Problem(
+                    ("resources", key),
+                    getattr(self.resources, key),
+                    f"only applies to runtime: {'ray' if key in ray_only else 'docker'} "
+                    f"(this task runs as {self.runtime}): remove it or change runtime",
                 )
             )
         if self.docker_socket and self.runtime != "docker":
@@ -533,7 +534,47 @@ class TlsConfig(_Strict):
     hosts: list[str] = Field(
         default=[],
         description="extra DNS names or IPs clients dial, added to the generated server "
-        "certificate (127.0.0.1, localhost, this host and models.<m>.host are always in)",
+        "certificate (127.0.0.1, localhost, this host, models.<m>.host and .advertise, "
+        "run.control.host and .advertise are always in)",
+    )
+
+
+class ControlConfig(_Strict):
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the controller's Control service binds (0.0.0.0: every "
+        "interface, for nodes on other hosts)",
+    )
+    port: int = Field(
+        default=0, ge=0, le=65535,
+        description="its port (0: a free one, kept across `jetctl up --resume`)",
+    )
+    advertise: str | None = Field(
+        default=None,
+        description="address nodes on other hosts dial (null: host; for a wildcard host, the "
+        "Ray node address of the controller with runtime: ray, else 127.0.0.1)",
+    )
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(
+        default=None,
+        description="the Ray cluster of runtime: ray nodes, as `ray.init(address=...)` takes "
+        "it: host:port of its head, or auto (a cluster started on this host)",
+    )
+    namespace: str | None = Field(
+        default=None,
+        description="Ray namespace of the run's actors (null: jetctl-<run.name>); `up --resume` "
+        "and `down` find the actors there",
+    )
+    runtime_env: dict[str, object] = Field(
+        default={},
+        description="Ray runtime environment of every actor (pip, working_dir, env_vars, ...); "
+        "jetctl must be importable in it",
+    )
+    work_dir: str = Field(
+        default="/tmp/jetctl",
+        description="folder on each Ray host where its nodes keep their spools and logs",
     )
 
 
@@ -546,6 +587,10 @@ class RunConfig(_Strict):
         "read a secret with ${VAR}",
     )
     tls: TlsConfig = Field(default=TlsConfig(), description="transport security")
+    control: ControlConfig = Field(
+        default=ControlConfig(), description="the controller's address, which every node dials"
+    )
+    ray: RayConfig = Field(default=RayConfig(), description="the Ray cluster (runtime: ray)")
     duration_s: float | None = Field(
         default=None, gt=0, description="stop the run after this long (null: run until jetctl down)"
     )
@@ -577,46 +622,84 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _tasks_name_known_models(self) -> Recipe:
-        task_models = {name: _model_refs(task.model, task.roles) for name, task in self.tasks.items()}
-        _raise_problems(_recipe_problems(task_models, self.models, self.models, self.tasks))
+        task_models = {name: task.model for name, task in self.tasks.items()}
+        problems = _recipe_problems(task_models, self.models, self.models, self.tasks)
+        on_ray = [("models", m) for m, c in self.models.items() if c.runtime == "ray"]
+        on_ray += [("tasks", t) for t, c in self.tasks.items() if c.runtime == "ray"]
+        if on_ray and not self.run.ray.address:
+            where = ", ".join(f"{a}.{b}" for a, b in on_ray)
+            problems.append(
+                Problem(
+                    ("run", "ray", "address"),
+                    None,
+                    f"is needed by runtime: ray ({where}): give the cluster's head, e.g. "
+                    "10.0.0.5:6379, or auto for a cluster started on this host",
+                )
+            )
+        _raise_problems(problems)
         return self
+
+    @property
+    def uses_ray(self) -> bool:
+        return any(c.runtime == "ray" for c in self.models.values()) or any(
+            c.runtime == "ray" for c in self.tasks.values()
+        )
 
     @property
     def run_dir(self) -> str:
         return self.run.dir or f"runs/{self.run.name}"
 
 
-def _model_refs(model: object, roles: object) -> list[tuple[tuple[str, ...], str]]:
-    """Where a task names models: [(key path inside the task, model key)]."""
-    refs: list[tuple[tuple[str, ...], str]] = []
-    if isinstance(model, str):
-        refs.append((("model",), model))
-    if isinstance(roles, dict):
-        refs += [(("roles", str(r)), m) for r, m in roles.items() if isinstance(m, str)]
-    return refs
-
-
 def _recipe_problems(
-    task_models: Mapping[str, list[tuple[tuple[str, ...], str]]],
+    task_models: Mapping[str, str],
     model_names: Collection[str],
     models: Mapping[str, ModelConfig],
     tasks: Mapping[str, TaskConfig],
 ) -> list[Problem]:
-    """Checks across models and tasks. `task_models` maps each task to where it names models
-    (its `model:` or each of its `roles:`, see `_model_refs`) and `model_names` holds every
-    key of models; `models` and `tasks` hold the valid ones (all of them, unless the loader
-    is checking a recipe with field errors)."""
+    """Checks across models and tasks. `task_models` maps each task to its `model:` and
+    `model_names` holds every key of models; `models` and `tasks` hold the valid ones
+    (all of them, unless the loader is checking a recipe with field errors)."""
     problems: list[Problem] = []
     if not model_names:
         problems.append(
             Problem(("models",), {}, "names no model: add one, e.g. policy: {model: ...}")
         )
     known = ", ".join(sorted(model_names)) or "(none)"
-    for name, refs in task_models.items():
-        for at, model_key in refs:
-            for p in _task_model_problems(name, at, model_key, model_names, known, models, tasks):
-                if p not in problems:  # two roles on models with the same caps: once
-                    problems.append(p)
+    for name, model_key in task_models.items():
+        if model_key not in model_names:
+            close = difflib.get_close_matches(model_key, list(model_names), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                Problem(
+                    ("tasks", name, "model"),
+                    model_key,
+                    f"is not a key of models: use one of {known}{hint}",
+                )
+            )
+        elif name in tasks and model_key in models:
+            cap = models[model_key].generation.max_new_tokens
+            context = models[model_key].generation.max_context_tokens
+            wanted = tasks[name].sampling.max_tokens
+            if wanted >= context:
+                problems.append(
+                    Problem(
+                        ("tasks", name, "sampling", "max_tokens"),
+                        wanted,
+                        f"leaves no room for the prompt in models.{model_key}.generation."
+                        f"max_context_tokens ({context}), so the server would refuse every "
+                        f"request: lower max_tokens well below {context}",
+                    )
+                )
+            elif wanted > cap:
+                problems.append(
+                    Problem(
+                        ("tasks", name, "sampling", "max_tokens"),
+                        wanted,
+                        f"exceeds models.{model_key}.generation.max_new_tokens ({cap}), the "
+                        f"server's cap on any request: lower max_tokens to {cap} or raise "
+                        "max_new_tokens",
+                    )
+                )
     taken: dict[tuple[str, int], str] = {}
     for name, model in models.items():
         for key in ("port", "metrics_port"):
@@ -634,54 +717,6 @@ def _recipe_problems(
     return problems
 
 
-def _task_model_problems(
-    name: str,
-    at: tuple[str, ...],
-    model_key: str,
-    model_names: Collection[str],
-    known: str,
-    models: Mapping[str, ModelConfig],
-    tasks: Mapping[str, TaskConfig],
-) -> list[Problem]:
-    """A task's reference to one model: the key exists, and the task's sampling fits it."""
-    if model_key not in model_names:
-        close = difflib.get_close_matches(model_key, list(model_names), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return [
-            Problem(
-                ("tasks", name, *at),
-                model_key,
-                f"is not a key of models: use one of {known}{hint}",
-            )
-        ]
-    if name not in tasks or model_key not in models:
-        return []
-    cap = models[model_key].generation.max_new_tokens
-    context = models[model_key].generation.max_context_tokens
-    wanted = tasks[name].sampling.max_tokens
-    if wanted >= context:
-        return [
-            Problem(
-                ("tasks", name, "sampling", "max_tokens"),
-                wanted,
-                f"leaves no room for the prompt in models.{model_key}.generation."
-                f"max_context_tokens ({context}), so the server would refuse every "
-                f"request: lower max_tokens well below {context}",
-            )
-        ]
-    if wanted > cap:
-        return [
-            Problem(
-                ("tasks", name, "sampling", "max_tokens"),
-                wanted,
-                f"exceeds models.{model_key}.generation.max_new_tokens ({cap}), the "
-                f"server's cap on any request: lower max_tokens to {cap} or raise "
-                "max_new_tokens",
-            )
-        ]
-    return []
-
-
 def _partial_problems(data: object) -> list[Problem]:
     """`_recipe_problems` over the parts of a recipe that are valid on their own, so that
     a recipe with field errors also gets its cross-references checked in the same run."""
@@ -691,9 +726,9 @@ def _partial_problems(data: object) -> list[Problem]:
     if not isinstance(models_raw, dict) or not isinstance(tasks_raw, dict):
         return []
     task_models = {
-        str(name): _model_refs(task.get("model"), task.get("roles"))
+        str(name): task["model"]
         for name, task in tasks_raw.items()
-        if isinstance(task, dict)
+        if isinstance(task, dict) and isinstance(task.get("model"), str)
     }
     models = {str(k): m for k, v in models_raw.items() if (m := _valid(ModelConfig, v))}
     tasks = {str(k): t for k, v in tasks_raw.items() if (t := _valid(TaskConfig, v))}
@@ -1001,10 +1036,7 @@ def _problem_issues(
         loc = (*at, *problem.loc)
         message = _with_source(problem.message, loc, interpolated)
         issues.append(
-            RecipeIssue(
-                file, _line_for(loc, lines), _dotted(loc), message,
-                None if problem.value is MISSING else problem.value, problem.value is not MISSING,
-            )
+            RecipeIssue(file, _line_for(loc, lines), _dotted(loc), message, problem.value, True)
         )
     return issues
 

@@ -1,11 +1,12 @@
-"""Client revisions a server refuses, as the controller tells it: one small file per model.
+"""Client revisions a server refuses: its own copy, one small file in its run dir.
 
-`jetctl swap-clients --drop-old` makes the controller write `<run_dir>/refused/<model>.json`
-(`{"model": M, "revisions": ["web/r0", ...]}`, atomic replace). The server reads it at
-start and on every tick (about every 2 s), refuses Submit of those revisions with the
-`REVISION` ack and says so in Register, and echoes the set it enforces in
-`servers/<model>.json` (`refused_revisions`), which is how the controller knows it took
-effect. A file, not an RPC: it outlives a server restart, and needs no new endpoint.
+`jetctl swap-clients --drop-old` makes the controller refuse the old revision: it keeps the
+set in run.json (`refused`) and sends it to the model's server in every sync reply
+(jetctl.controller.hub). The server refuses Submit of those revisions with the `REVISION`
+ack and says so in Register, echoes the set it enforces in its syncs (how the controller
+knows it took effect), and keeps it in `<its run_dir>/refused/<model>.json` (atomic
+replace), so that after a restart it refuses them again before the controller answers. A
+server without a controller reads that file on every tick instead.
 
 An entry is `<task>/<revision>` (that task's nodes only; revisions are numbered per run,
 but every task starts at r0) or a bare revision (every task).

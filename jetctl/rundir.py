@@ -97,6 +97,12 @@ class RunPaths:
         return self.refused / f"{model}.json"
 
     @property
+    def received(self) -> Path:
+        """What the controller received of every node's ledger journal
+        (jetctl.controller.received); the ledger is built from it."""
+        return self.root / "received.sqlite"
+
+    @property
     def faults(self) -> Path:
         """The faults in force during a chaos run (jetctl.faults)."""
         return self.root / "faults"

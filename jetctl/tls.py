@@ -2,7 +2,8 @@
 
 The recipe says `run.tls: {mode: off | tls | mtls, cert_dir: ...}`. With `cert_dir` null,
 `jetctl up` makes a run CA, a server certificate (SAN: 127.0.0.1, ::1, localhost, this
-host's name and every `models.<m>.host` and `run.tls.hosts`) and a client certificate in
+host's name, every `models.<m>.host` and `.advertise`, `run.control.host` and `.advertise`,
+and `run.tls.hosts`) and a client certificate in
 `<run dir>/tls/` (keys mode 0600); otherwise the user's files are read from `cert_dir`
 under the same names:
 
@@ -31,6 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from jetctl.rundir import RunPaths
+
+# how a node dials, when the controller starts it (the CLI's --tls / --tls-dir)
+TLS_MODE_ENV = "JETCTL_TLS_MODE"
+TLS_DIR_ENV = "JETCTL_TLS_DIR"
 
 if TYPE_CHECKING:
     import grpc
@@ -143,7 +148,11 @@ def prepare_run_tls(recipe: Recipe, run_dir: Path) -> TlsFiles | None:
     if recipe.run.tls.cert_dir is None and not all(
         p.is_file() for p in (*files.needed("server"), *files.needed("client"))
     ):
-        hosts = [*recipe.run.tls.hosts, *(m.host for m in recipe.models.values())]
+        # every name a node may dial: the servers' and the controller's binds and adverts
+        control = recipe.run.control
+        hosts = [*recipe.run.tls.hosts, *(m.host for m in recipe.models.values()),
+                 *(m.advertise for m in recipe.models.values() if m.advertise),
+                 control.host, *([control.advertise] if control.advertise else [])]
         generate_run_certs(files.dir, hosts)
     files.check("server")
     files.check("client")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The services the docker and browser test tiers need, on a fresh Debian machine as root:
+# The services the docker, browser and multihost test tiers need, on a fresh Debian machine
+# as root:
 #   ./scripts/ci-services.sh            # all of: packages, docker, images
 #   ./scripts/ci-services.sh packages   # apt: docker.io, debootstrap, chromium, chromium-driver,
-#                                       #      bubblewrap
+#                                       #      bubblewrap, iproute2 (network namespaces: the
+#                                       #      multihost tests make and remove their own)
 #   ./scripts/ci-services.sh docker     # start dockerd (no systemd here) and wait until it answers
 #   ./scripts/ci-services.sh images     # jetctl images build --offline-base (no registry needed)
 # Idempotent: what is installed, running or built already is left as it is.
@@ -18,6 +20,7 @@ packages() {
   command -v chromium >/dev/null || need+=(chromium)
   command -v chromedriver >/dev/null || need+=(chromium-driver)
   command -v bwrap >/dev/null || need+=(bubblewrap)  # envs.code's sandbox on the host
+  command -v ip >/dev/null || need+=(iproute2)  # tests/multihost: ip netns, veth links
   if ((${#need[@]})); then
     echo "[services] apt-get install ${need[*]}"
     apt-get update -q >/dev/null

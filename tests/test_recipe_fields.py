@@ -287,18 +287,12 @@ def train_algorithm(_: Path) -> None:
     refused("must be one of 'grpo'", models={"policy": {"train": {"algorithm": "rloo"}}})
 
 
-def train_mix(_: Path) -> None:
-    assert recipe().models["policy"].train.mix == {}
-    refused('models.policy.train.mix = {"digits": 1.0}: mixing ratios are planned, not built',
-            models={"policy": {"train": {"mix": {"digits": 1.0}}}})
-
-
 def train_groups_per_step(tmp_path: Path) -> None:
     from tests.server.trainer_support import step, submit
 
     trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(groups_per_step=2)))
     submit(trainer)
-    assert step(trainer) is None and trainer.store.buffer_depth == 1, "waits for a second group"
+    assert step(trainer) is None and trainer.groups_waiting == 1, "waits for a second group"
     submit(trainer)
     scalars = step(trainer)
     assert scalars is not None and scalars["groups"] == 2
@@ -367,7 +361,56 @@ def generation_batch_wait_ms(tmp_path: Path) -> None:
     from tests.server.test_engine_batching import batch_sizes_of_staggered_requests
 
     assert batch_sizes_of_staggered_requests(batch_wait_ms=0.0)[0] == 1
-    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4]
+    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4, 4]
+
+
+def torch_threads_seen(model: Any) -> tuple[set[int], Callable[[], None]]:
+    """The torch thread counts of the threads that run `model`'s forward, and an undo."""
+    seen: set[int] = set()
+    handle = model.register_forward_hook(lambda *_: seen.add(torch.get_num_threads()))
+    return seen, handle.remove
+
+
+def generation_threads(_: Path) -> None:
+    import asyncio
+
+    from jetctl.server.engines import GenRequest, make_engine
+    from jetctl.server.locks import WeightsLock
+
+    cfg = tiny(generation={"threads": 1})
+    model = load(cfg)
+    assert torch.get_num_threads() != 1  # the process default, which the engine overrides
+    seen, undo = torch_threads_seen(model)
+
+    async def one() -> None:
+        engine = make_engine(cfg, model, eos_token_ids=[2], pad_token_id=2,
+                             weights_lock=WeightsLock(), version=lambda: 0).engine
+        engine.start()
+        try:
+            await engine.generate(GenRequest([5, 6, 7], 3, 1.0, 1.0))
+        finally:
+            await engine.stop()
+
+    asyncio.run(one())
+    undo()
+    assert seen == {1}
+
+
+def train_threads(tmp_path: Path) -> None:
+    from tests.server.trainer_support import submit
+
+    trainer = make_trainer(tmp_path, tiny(finetune="full", train=TrainConfig(
+        groups_per_step=1, threads=1, max_steps=1)))
+    assert torch.get_num_threads() != 1
+    seen, undo = torch_threads_seen(trainer.model)
+    submit(trainer)
+    trainer.start()
+    deadline = time.monotonic() + 60
+    while not trainer.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    trainer.stop()
+    undo()
+    assert trainer.version == 1 and seen == {1}
 
 
 def model_seed(_: Path) -> None:
@@ -514,6 +557,13 @@ ROWS: dict[str, Row] = {
         ("tests/security/test_tls.py::test_up_makes_certificates_once_and_checks_user_files",)),
     "run.tls.hosts": CoveredBy(
         ("tests/security/test_tls.py::test_generated_certificates_name_loopback_and_keep_keys_private",)),
+    "run.control.host": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.control.port": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.control.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "run.ray.address": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.namespace": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.runtime_env": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.ray.work_dir": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
     "run.duration_s": CoveredBy(
         (f"{CONTROLLER}::test_duration_stops_the_run_and_sigkills_a_node_that_ignores_sigterm",)),
     "run.restart_backoff_s": Effect(restart_backoff, integration=True),
@@ -551,7 +601,6 @@ ROWS: dict[str, Row] = {
     "models.<name>.train.merge": Effect(train_merge),
     "models.<name>.train.max_tokens_per_microbatch": Effect(train_max_tokens_per_microbatch),
     "models.<name>.train.max_steps": Effect(train_max_steps),
-    "models.<name>.train.mix": Effect(train_mix),
     "models.<name>.checkpoint.every_steps": CoveredBy(
         (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
     "models.<name>.checkpoint.keep": CoveredBy(
@@ -561,8 +610,10 @@ ROWS: dict[str, Row] = {
         "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
     )),
     "models.<name>.generation.max_batch_size": CoveredBy(
-        ("tests/server/test_engine_batching.py::test_a_batch_holds_at_most_max_batch_size",)),
+        ("tests/server/test_engine_batching.py::test_no_decode_step_holds_more_than_max_batch_size",)),
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
+    "models.<name>.generation.threads": Effect(generation_threads),
+    "models.<name>.train.threads": Effect(train_threads),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
     "models.<name>.generation.device": CoveredBy((
@@ -579,6 +630,12 @@ ROWS: dict[str, Row] = {
         "tests/server/test_store.py::test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing",
     )),
     "models.<name>.host": Served(served_host),
+    "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
+    "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
+    "models.<name>.resources.cpus": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
+    "models.<name>.resources.gpus": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
+    "models.<name>.resources.memory": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
+    "models.<name>.resources.custom": CoveredBy(("tests/controller/test_placement.py::test_a_server_gets_a_group_of_its_own_with_its_gpus",)),
     "models.<name>.port": Effect(run_token_and_ports, integration=True),
     "models.<name>.metrics_port": Effect(run_token_and_ports, integration=True),
     "models.<name>.seed": Effect(model_seed),
@@ -587,10 +644,6 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.model": CoveredBy((
         f"{NODE}::test_digits_groups_arrive_with_correct_fields",
         "tests/test_recipe.py::test_unknown_model_of_a_task_points_at_its_model_key",
-    )),
-    "tasks.<name>.roles": CoveredBy((
-        "tests/client/test_team_node.py::test_each_role_reaches_its_model_and_trains_it_with_its_reward",
-        "tests/test_recipe.py::test_a_team_names_its_models_under_roles",
     )),
     "tasks.<name>.env_args": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
     "tasks.<name>.clients": CoveredBy(
@@ -612,6 +665,8 @@ ROWS: dict[str, Row] = {
         (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
     "tasks.<name>.resources.shm": CoveredBy(
         (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+    "tasks.<name>.resources.gpus": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group",)),
+    "tasks.<name>.resources.custom": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
     "tasks.<name>.docker_socket": CoveredBy((
         f"{DOCKER}::test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes",
         "tests/test_recipe.py::test_docker_socket_needs_the_docker_runtime",

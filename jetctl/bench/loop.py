@@ -74,7 +74,7 @@ class RunFigures:
 def figures(
     mode: str, latency_s: float, seed: int, wall_s: float, groups: list[dict[str, Any]],
     step_times: list[float], train_s: list[float], gen_batches: list[float],
-    staleness: list[float], cpu_s: dict[str, float],
+    staleness: list[float], cpu_s: dict[str, float], skipped: int | None = None,
 ) -> RunFigures:
     """The same figures for both modes, from per-group and per-step records."""
     groups = sorted(groups, key=lambda g: g["t"])
@@ -97,7 +97,8 @@ def figures(
     return RunFigures(
         mode=mode, latency_s=latency_s, seed=seed, wall_s=wall_s, first_step_s=first,
         steps=len(step_times), trajectories=sum(g["n"] for g in groups), groups=len(groups),
-        groups_skipped=sum(1 for g in groups if not g["informative"]),
+        groups_skipped=(
+            skipped if skipped is not None else sum(1 for g in groups if not g["informative"])),
         sec_per_step=sec_per_step,
         traj_per_s=sum(g["n"] for g in after) / span if span > 0 else 0.0,
         reach_s=reach,
@@ -238,6 +239,7 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
         step_times=[s["time"] - t0_wall for s in stepped],
         train_s=[s["timing/train_s"] for s in steps],
         gen_batches=gen, staleness=[s["staleness/mean"] for s in stepped], cpu_s=cpu,
+        skipped=int(sum(s.get("groups/skipped", 0) for s in steps)),
     )
     ledger = build_ledger(run_dir)
     fig.ledger = "balanced" if ledger.balanced else "NOT BALANCED: " + "; ".join(
@@ -250,18 +252,14 @@ def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
     """Accepted groups (trained or buffered) with their arrival time and mean reward."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        cols = {r[1] for r in db.execute("PRAGMA table_info(groups)")}
-        skipped = "skipped" if "skipped" in cols else "0"
         rows = db.execute(
-            f"SELECT received_at, reward_sum, n_traj, {skipped} FROM groups "
+            "SELECT received_at, reward_sum, n_traj FROM groups "
             "WHERE state IN ('buffered', 'trained') ORDER BY received_at"
         ).fetchall()
     finally:
         db.close()
-    return [
-        {"t": at - t0_wall, "reward": total / n, "n": n, "informative": not skip}
-        for at, total, n, skip in rows
-    ]
+    return [{"t": at - t0_wall, "reward": total / n, "n": n, "informative": True}
+            for at, total, n in rows]
 
 
 # --- loop ------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
     task_name = next(iter(rec.tasks))
     task = rec.tasks[task_name]
     spec: dict[str, Any] = {
-        "model": rec.models[task.models[0]].model_dump(mode="json"),
+        "model": rec.models[task.model].model_dump(mode="json"),
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
     }

@@ -43,7 +43,7 @@ def status(
         from jetctl.ledger import build_ledger
 
         doc = document(fetch_status(rd))
-        doc["ledger"] = build_ledger(rd).summary()  # read from the stores and spools
+        doc["ledger"] = build_ledger(rd).summary()  # what the controller received
         return doc
 
     def show_finished(rd: Path) -> None:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from jetctl.cli.errors import fail
-from jetctl.recipe import Recipe
+from jetctl.recipe import RayConfig, Recipe
 
 if TYPE_CHECKING:
     from jetctl.controller.controller import Controller
@@ -222,6 +222,15 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
             runtimes.append(DockerRuntime(run_dir))
         except RuntimeUnavailable as e:
             Console(stderr=True).print(f"[yellow]warning:[/yellow] {e}; containers not stopped")
+    ray = _ray_config(run_dir)
+    if ray is not None:
+        from jetctl.controller.runtimes.base import RuntimeUnavailable as Unavailable
+        from jetctl.controller.runtimes.ray import RayRuntime
+
+        try:
+            runtimes.append(RayRuntime(*ray))
+        except Unavailable as e:
+            Console(stderr=True).print(f"[yellow]warning:[/yellow] {e}; Ray actors not stopped")
     handles = [(rt, h) for rt in runtimes for h in rt.list("")]
     for kind in ("client", "server"):
         for rt in runtimes:
@@ -240,6 +249,19 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
         info["finished_at"] = time.time()
         write_json_atomic(paths.run_json, info)
     return len(handles)
+
+
+def _ray_config(run_dir: Path) -> tuple[str, RayConfig] | None:
+    """(run name, run.ray) when the run's recipe places nodes on Ray."""
+    from jetctl.recipe import RecipeError, load_recipe
+    from jetctl.rundir import RunPaths, read_json
+
+    recipe = str((read_json(RunPaths(run_dir).run_json) or {}).get("recipe") or "")
+    try:
+        rec = load_recipe(recipe) if recipe else None
+    except RecipeError:
+        return None
+    return (rec.run.name, rec.run.ray) if rec is not None and rec.uses_ray else None
 
 
 def _has_containers(run_dir: Path) -> bool:

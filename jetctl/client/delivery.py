@@ -12,10 +12,6 @@ every `probe_s` and the first ack makes every deferred group due again, so a hea
 drains in less time than it lasted. A request the server refuses whole (INVALID_ARGUMENT) is
 resent one group at a time to find the bad one. STALE, INVALID and REVISION are final; the
 REVISION ack means the server refuses this node's revision, so the node drains.
-
-A team task's node has one `Delivery` per model (`model=`), each with its own transport and
-taking only its model's groups from the shared spool, so one model's unreachable server
-never holds back another's groups.
 """
 
 from __future__ import annotations
@@ -67,15 +63,15 @@ class Delivery:
         *,
         options: DeliveryOptions = DeliveryOptions(),
         on_revision_refused: Callable[[], None] = lambda: None,
-        model: str | None = None,  # send only this model's groups (None: every group)
+        on_acked: Callable[[float, int], None] | None = None,
     ) -> None:
         self.spool = spool
-        self.model = model
         self.transport = transport
         self.stats = stats
         self.metrics = metrics
         self.opts = options
         self._on_revision_refused = on_revision_refused
+        self._on_acked = on_acked  # (seconds the Submit took, groups it acked): benchmarks
         # groups per Submit; drops to 1 after a whole request was refused, to isolate the bad one
         self._batch = options.batch_groups
         self._wake = asyncio.Event()
@@ -109,7 +105,7 @@ class Delivery:
                 continue
             if self._probe_due():
                 continue
-            next_due = self.spool.next_due_at(self.model)
+            next_due = self.spool.next_due_at()
             wait = 1.0 if next_due is None else min(1.0, max(0.02, next_due - time.time()))
             self._wake.clear()
             try:
@@ -120,19 +116,19 @@ class Delivery:
     async def flush(self, grace_s: float) -> None:
         """Wait until the spool is empty or `grace_s` is up (un-acked groups stay spooled)."""
         deadline = time.monotonic() + grace_s
-        while self.spool.depth(self.model) > 0 and time.monotonic() < deadline:
+        while self.spool.depth() > 0 and time.monotonic() < deadline:
             self._wake.set()
             await asyncio.sleep(0.05)
-        if self.spool.depth(self.model) > 0:
+        if self.spool.depth() > 0:
             log.warning(
                 "drain: %d groups still un-acked; they stay in %s",
-                self.spool.depth(self.model),
+                self.spool.depth(),
                 self.spool.path,
             )
 
     async def _send_once(self) -> int:
         """Push one batch of due groups; returns how many were attempted."""
-        due = self.spool.due(limit=self._batch, model=self.model)
+        due = self.spool.due(limit=self._batch)
         if not due:
             return 0
         limit = self.transport.max_message_bytes
@@ -149,6 +145,7 @@ class Delivery:
             size += len(item.payload)
         if not batch:
             return len(due)
+        t0 = time.perf_counter()
         try:
             reply = await self._timed_submit(
                 [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
@@ -170,9 +167,11 @@ class Delivery:
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
             return len(batch)
+        if self._on_acked is not None:
+            self._on_acked(time.perf_counter() - t0, len(batch))
         if self._link_down_since is not None:
             # the link is back: everything deferred goes now, not after its backoff
-            resent = self.spool.retry_now(model=self.model)
+            resent = self.spool.retry_now()
             log.info(
                 "server reachable again after %.1fs; resending %d deferred groups now",
                 time.monotonic() - self._link_down_since, resent,
@@ -221,7 +220,7 @@ class Delivery:
         if now - self._last_probe < self.opts.probe_s:
             return False
         self._last_probe = now
-        return self.spool.retry_now(limit=1, model=self.model) > 0
+        return self.spool.retry_now(limit=1) > 0
 
     def _resend_delay(self, attempts: int) -> float:
         cap = min(self.opts.resend_max_s, self.opts.resend_base_s * 2**attempts)

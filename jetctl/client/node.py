@@ -6,10 +6,13 @@
 
 What one node does (docs/architecture.md sections 1, 2, 6):
 
-1. Register with the task's model server (endpoint from `<run_dir>/servers/<model>.json`,
-   retried until it answers) and rebuild its tokenizer from the reply. A team task (`roles:`)
-   registers with each of its models' servers; its proxy serves each role by name.
-2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery and the status file.
+1. Register with the task's model server (endpoint from the controller through its control
+   link, jetctl.link; a node without one reads `<run_dir>/servers/<model>.json`), retried
+   until it answers, and rebuild its tokenizer from the reply.
+2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery, and the status sync:
+   about once a second its status figures and its spool's ledger records (jetctl.journal)
+   go to the controller, which answers with endpoints, refused revisions and drain orders
+   (a node without a link writes `<run_dir>/nodes/<name>.json` instead).
 3. Produce (production.py): run the agent on the env's tasks, `group_size` rollouts per
    task, and spool each GRPO group (durable).
 4. Deliver (delivery.py): push the spooled groups until each has an ack; a group leaves the
@@ -19,10 +22,10 @@ What one node does (docs/architecture.md sections 1, 2, 6):
    is sent by the next node of the same name.
 
 This module is the node's lifecycle and status; production and delivery share only the
-spool, the counters (`NodeStats`) and the drain event. A team's node has one transport and
-one delivery per model.
+spool, the counters (`NodeStats`) and the drain event.
 
-Left out: SubmitStream; local inference for a team (the recipe refuses it).
+Left out: multi-model teams (one node serves its task's model; requests naming any other
+model are answered by it too) and SubmitStream.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +56,16 @@ from jetctl.client.transport import (
     ServerBackend,
     SwarmTransport,
 )
+from jetctl.journal import SPOOL_TABLES, Journal
+from jetctl.link import ControlLink, Identity
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.recipe import DEFAULT_ROLE, TaskConfig
+from jetctl.recipe import TaskConfig
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+FINAL_SYNC_S = 3.0  # the drain keeps this long for the last sync with the controller
 
 __all__ = ["ClientNode", "NodeConfig", "NodeStats"]
 
@@ -66,7 +75,7 @@ class NodeConfig:
     name: str
     task_name: str
     task: TaskConfig
-    run_dir: Path
+    run_dir: Path  # the node's own folder: spool/<name>.sqlite (and logs)
     token: str
     index: int = 0
     revision: str = "default"
@@ -80,9 +89,13 @@ class NodeConfig:
     resend_max_s: float = 30.0
     probe_s: float = 2.0  # while Submit fails, resend the oldest group this often
     install_signal_handlers: bool = True
-    endpoint: str | None = None  # fixed endpoint of the task's (first) model's server
-    endpoints: dict[str, str] = field(default_factory=dict)  # model -> fixed endpoint (teams)
+    endpoint: str | None = None  # fixed server endpoint (chaos's proxy, tests)
     tls: TlsFiles | None = None  # run.tls; None: plaintext
+    link: ControlLink | None = None  # the controller; None: a node on its own (files)
+    # benchmarks: makes the node's producer (an object with `async run()` and `backpressure`)
+    # instead of the agent's rollouts; its Submit latencies go to `on_acked`
+    make_producer: Callable[[ClientNode], Any] | None = None
+    on_acked: Callable[[float, int], None] | None = None
 
     @property
     def agent_spec(self) -> str:
@@ -92,58 +105,47 @@ class NodeConfig:
 class ClientNode:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.models = config.task.models  # the models its calls train (a team: several)
-        self.model = self.models[0]
-        self.team = bool(config.task.roles)
+        self.model = config.task.model
         self.state = "starting"
         self.stats = NodeStats()
         self.metrics = ClientMetrics()
         self.metrics_port: int | None = None
         self.paths = RunPaths(config.run_dir)
         self.spool = Spool(self.paths.spool(config.name))
+        # every change the ledger reads, journaled in the spool's own transactions
+        self.journal = Journal.install(self.spool.path, SPOOL_TABLES)
+        self.link = config.link
+        self.identity = Identity(
+            name=config.name, kind="client", task=config.task_name, model=self.model,
+            revision=config.revision,
+        )
+        link = config.link
         # live rollouts (pid, start time): a restart kills what a killed predecessor left
         self._rollout_registry = self.paths.rollouts(config.name)
-        self.transports = {
-            m: SwarmTransport(
-                m, config.token, run_dir=config.run_dir, endpoint=self._fixed_endpoint(m),
-                tls=config.tls,
-                # retries within a call stay short (<= 2 s apart): the spool retries for longer
-                retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
-            )
-            for m in self.models
-        }
-        self.deliveries = {
-            m: Delivery(
-                self.spool, transport, self.stats, self.metrics,
-                options=DeliveryOptions(
-                    batch_groups=config.submit_batch_groups, resend_base_s=config.resend_base_s,
-                    resend_max_s=config.resend_max_s, probe_s=config.probe_s,
-                ),
-                # the server refuses this revision: nothing more to do here
-                on_revision_refused=self.drain,
-                model=m if self.team else None,
-            )
-            for m, transport in self.transports.items()
-        }
-        self.transport = self.transports[self.model]
-        self.delivery = self.deliveries[self.model]
-        self.producer: Producer | None = None
+        self.transport = SwarmTransport(
+            self.model, config.token, run_dir=None if link else config.run_dir,
+            endpoint=config.endpoint,
+            endpoint_source=(lambda: link.endpoint(self.model)) if link else None,
+            tls=config.tls,
+            # retries within a call stay short (<= 2 s apart): the spool retries for longer
+            retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
+        )
+        self.delivery = Delivery(
+            self.spool, self.transport, self.stats, self.metrics,
+            options=DeliveryOptions(
+                batch_groups=config.submit_batch_groups, resend_base_s=config.resend_base_s,
+                resend_max_s=config.resend_max_s, probe_s=config.probe_s,
+            ),
+            # the server refuses this revision: nothing more to do here
+            on_revision_refused=self.drain, on_acked=config.on_acked,
+        )
+        self.producer: Any = None  # production.Producer (or a benchmark's)
         self.proxy: Proxy | None = None
-        self.backend: Backend | None = None  # the (first) model's
-        self.register_replies: dict[str, pb.RegisterReply] = {}
-        self.register_reply: pb.RegisterReply | None = None  # the (first) model's
+        self.backend: Backend | None = None
+        self.register_reply: pb.RegisterReply | None = None
         self._draining = asyncio.Event()
         self._runner: RolloutRunner | None = None
         self._local_engine: Any = None
-
-    def _fixed_endpoint(self, model: str) -> str | None:
-        if model in self.config.endpoints:
-            return self.config.endpoints[model]
-        return self.config.endpoint if model == self.model else None
-
-    def _wake_senders(self) -> None:
-        for delivery in self.deliveries.values():
-            delivery.wake()
 
     @property
     def backpressure(self) -> bool:
@@ -167,23 +169,23 @@ class ClientNode:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.drain)
         status_task = asyncio.create_task(self._status_loop())
-        senders: list[asyncio.Task[None]] = []
+        sender: asyncio.Task[None] | None = None
         try:
             if self.config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve("127.0.0.1", self.config.metrics_port)
             self._recover_lost()
             # Groups left by an earlier node of this name go out first.
-            senders = [asyncio.create_task(d.run()) for d in self.deliveries.values()]
+            sender = asyncio.create_task(self.delivery.run())
             if not await self._register():
-                return await self._finish(senders, status_task)
+                return await self._finish(sender, status_task)
             await self._start_serving()
             self.state = "running" if not self._draining.is_set() else "draining"
             assert self.producer is not None
             await self.producer.run()
-            return await self._finish(senders, status_task)
+            return await self._finish(sender, status_task)
         except BaseException:
             self.state = "exited"
-            for sender in senders:
+            if sender is not None:
                 sender.cancel()
             status_task.cancel()
             self._write_status()
@@ -193,7 +195,6 @@ class ClientNode:
 
     def _recover_lost(self) -> None:
         """Rollouts an earlier process of this node left running (it was killed) are lost."""
-        self.spool.label_unlabelled(self.model)  # rows of a spool written before teams
         reaped = reap_leftovers(self._rollout_registry)
         if reaped:
             log.warning("killed %d rollout(s) an earlier process of %s left running",
@@ -204,22 +205,19 @@ class ClientNode:
             self.stats.drop("lost", lost)
             self.metrics.dropped.labels(reason="lost").inc(lost)
 
-    async def _finish(
-        self, senders: list[asyncio.Task[None]], status_task: asyncio.Task[None]
-    ) -> int:
+    async def _finish(self, sender: asyncio.Task[None], status_task: asyncio.Task[None]) -> int:
         self.state = "draining"
-        deliveries = list(self.deliveries.values())
-        await asyncio.gather(*(d.flush(self.config.drain_grace_s) for d in deliveries))
-        for delivery, sender in zip(deliveries, senders):
-            delivery.stop()
-            sender.cancel()  # a Submit still retrying is abandoned; its groups stay spooled
-            try:
-                await sender
-            except asyncio.CancelledError:
-                pass
+        # keep a little of the grace for the last sync, which carries the last ledger records
+        await self.delivery.flush(max(0.0, self.config.drain_grace_s - FINAL_SYNC_S))
+        self.delivery.stop()
+        sender.cancel()  # a Submit still retrying is abandoned; its groups stay spooled
+        try:
+            await sender
+        except asyncio.CancelledError:
+            pass
         self.state = "exited"
         status_task.cancel()
-        self._write_status()
+        await self._report(final=True)
         return 0
 
     async def _shutdown(self) -> None:
@@ -227,79 +225,74 @@ class ClientNode:
             await self.proxy.stop()
         if self._runner is not None:
             self._runner.shutdown()
-        for transport in self.transports.values():
-            await transport.close()
+        await self.transport.close()
+        if self.link is not None:
+            await self.link.close()
         self.metrics.close()
         self.spool.close()
 
     async def _register(self) -> bool:
-        """Register with each model's server, retrying with backoff until it answers (False
-        if drained first, or a server refuses this node's revision)."""
-        for model, transport in self.transports.items():
-            reply = await self._register_with(model, transport)
-            if reply is None:
-                return False
-            self.register_replies[model] = reply
-        self.register_reply = self.register_replies[self.model]
-        return True
-
-    async def _register_with(
-        self, model: str, transport: SwarmTransport
-    ) -> pb.RegisterReply | None:
+        """Register, retrying with backoff until the server answers (False if drained first)."""
         delay = 0.5
         while not self._draining.is_set():
             try:
-                reply = await transport.register(
+                reply = await self.transport.register(
                     self.config.name, self.config.task_name, self.config.revision
                 )
             except (grpc.aio.AioRpcError, EndpointNotFound) as e:
                 self.state = "backoff"
                 log.warning(
-                    "register with %s failed (%s); retrying in %.1fs", model, short_error(e), delay
+                    "register with %s failed (%s); retrying in %.1fs",
+                    self.model, short_error(e), delay,
                 )
                 await sleep_or(self._draining, delay)
                 delay = min(delay * 2, 10.0)
                 continue
-            # a plain revision, or `<task>/<revision>` (swap-clients --drop-old)
-            mine = {self.config.revision, f"{self.config.task_name}/{self.config.revision}"}
-            if mine & set(reply.refused_revisions):
-                log.warning("server %s refuses revision %s; exiting", model, self.config.revision)
+            if self._refused(reply.refused_revisions):
+                log.warning(
+                    "server %s refuses revision %s; exiting", self.model, self.config.revision
+                )
                 self.drain()
-                return None
-            return reply
-        return None
+                return False
+            self.register_reply = reply
+            return True
+        return False
 
     async def _start_serving(self) -> None:
-        """Tokenizers from the Register replies, the proxy, the rollout runner, the producer."""
-        cfg = self.config
-        backends: dict[str, Backend] = {}
-        renderers: dict[str, ChatRenderer] = {}
-        for model, reply in self.register_replies.items():
-            renderers[model] = await _renderer(reply)
-            if cfg.task.inference == "local":  # one model: the recipe refuses it for teams
-                from jetctl.client.local_engine import LocalEngine
+        """Tokenizer from the Register reply, the proxy, the rollout runner, the producer."""
+        reply = self.register_reply
+        assert reply is not None
+        if self.config.make_producer is not None:
+            self.producer = self.config.make_producer(self)
+            return
+        from jetctl.models import tokenizer_from_files
 
-                engine = await LocalEngine.start(
-                    reply.model_source, self.transports[model], reply.model_version
-                )
-                self._local_engine = engine
-                backends[model] = engine
-            else:
-                backends[model] = ServerBackend(self.transports[model])
-        self.backend = backends[self.model]
+        loop = asyncio.get_running_loop()
+        tokenizer = await loop.run_in_executor(
+            None, tokenizer_from_files, dict(reply.tokenizer_files)
+        )
+        if reply.chat_template:
+            tokenizer.chat_template = reply.chat_template
+        renderer = ChatRenderer(tokenizer, list(reply.eos_token_ids))
+        if self.config.task.inference == "local":
+            from jetctl.client.local_engine import LocalEngine
 
-        def served(name: str, model: str, role: str) -> ServedModel:
-            context = int(self.register_replies[model].max_context_tokens) or 2048
-            return ServedModel(name, renderers[model], backends[model], context, model, role)
-
-        if self.team:  # the agent names a role; each role's calls go to its model
-            names = {r: served(r, m, r) for r, m in cfg.task.role_models.items()}
+            engine = await LocalEngine.start(
+                reply.model_source, self.transport, reply.model_version
+            )
+            self._local_engine = engine
+            self.backend = engine
         else:
-            names = {self.model: served(self.model, self.model, DEFAULT_ROLE)}
+            self.backend = ServerBackend(self.transport)
+        cfg = self.config
         sampling = cfg.task.sampling
         self.proxy = Proxy(
-            names,
-            default_model=None if self.team else self.model,
+            {
+                self.model: ServedModel(
+                    self.model, renderer, self.backend, int(reply.max_context_tokens) or 2048
+                )
+            },
+            default_model=self.model,
             sampling=Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens),
         )
         await self.proxy.start()
@@ -311,24 +304,54 @@ class ClientNode:
         )
         self.producer = Producer(
             ProductionConfig(
-                node=cfg.name, task_name=cfg.task_name, task=cfg.task,
+                node=cfg.name, task_name=cfg.task_name, task=cfg.task, model=self.model,
                 agent=cfg.agent_spec, revision=cfg.revision, index=cfg.index,
                 max_groups=cfg.max_groups,
             ),
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
-            draining=self._draining, on_spooled=self._wake_senders,
+            draining=self._draining, on_spooled=self.delivery.wake,
             local_engine=self._local_engine,
         )
+
+    def _refused(self, refused: Iterable[str]) -> bool:
+        """A plain revision, or `<task>/<revision>` (swap-clients --drop-old)."""
+        mine = {self.config.revision, f"{self.config.task_name}/{self.config.revision}"}
+        return bool(mine & set(refused))
 
     # ------------------------------------------------------------------ status
 
     async def _status_loop(self) -> None:
         while True:
-            self._write_status()
+            await self._report()
             await asyncio.sleep(self.config.status_interval_s)
 
+    async def _report(self, final: bool = False) -> None:
+        """Status (and ledger records) to the controller, or to the status file without one;
+        follow what the controller answers."""
+        if self.link is None:
+            self._write_status()
+            return
+        sync = self.link.sync(self.identity, status=self.status(), journal=self.journal,
+                              final=final)
+        try:
+            reply = await (asyncio.wait_for(sync, FINAL_SYNC_S) if final else sync)
+        except asyncio.TimeoutError:
+            reply = None
+        if reply is None:
+            if final:
+                log.warning("last sync with the controller failed: it gets this node's last "
+                            "ledger records from the next node of this name")
+            return
+        if reply.drain and not self._draining.is_set():
+            log.info("%s", reply.message or "the controller asked this node to drain")
+            self.drain()
+        if self._refused(reply.refused_revisions) and not self._draining.is_set():
+            log.warning("server %s refuses revision %s; draining", self.model,
+                        self.config.revision)
+            self.drain()
+
     def status(self) -> dict[str, Any]:
-        reachable = all(d.reachable for d in self.deliveries.values())
+        reachable = self.delivery.reachable
         self.metrics.server_reachable.set(1 if reachable else 0)
         depth = self.spool.depth()
         self.metrics.spool_groups.set(depth)
@@ -337,8 +360,6 @@ class ClientNode:
             "name": self.config.name,
             "task": self.config.task_name,
             "model": self.model,
-            "models": list(self.models),
-            "roles": dict(self.config.task.roles),
             "state": self.state,
             "revision": self.config.revision,
             "rollouts_done": self.stats.rollouts_done,
@@ -351,9 +372,9 @@ class ClientNode:
             "server_reachable": reachable,
             "acks": dict(self.stats.acks),
             "dropped": dict(self.stats.dropped),
-            # tokens generated for this node's calls, by model (a team's calls reach several)
-            "tokens_generated": dict(self.proxy.tokens_generated) if self.proxy else {},
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "address": self.link.address if self.link is not None else None,
             "updated_at": time.time(),
             "metrics": f"127.0.0.1:{self.metrics_port}" if self.metrics_port else None,
             "proxy": f"127.0.0.1:{self.proxy.port}"
@@ -363,14 +384,3 @@ class ClientNode:
 
     def _write_status(self) -> None:
         write_json_atomic(self.paths.node_file(self.config.name), self.status())
-
-
-async def _renderer(reply: pb.RegisterReply) -> ChatRenderer:
-    """The chat renderer of a server's model, from its tokenizer files in `reply`."""
-    from jetctl.models import tokenizer_from_files
-
-    loop = asyncio.get_running_loop()
-    tokenizer = await loop.run_in_executor(None, tokenizer_from_files, dict(reply.tokenizer_files))
-    if reply.chat_template:
-        tokenizer.chat_template = reply.chat_template
-    return ChatRenderer(tokenizer, list(reply.eos_token_ids))

@@ -1,8 +1,9 @@
 """gRPC transport from a client node to one model's swarm server (`grpc.aio`).
 
-* The endpoint comes from `<run_dir>/servers/<model>.json` and is re-read whenever a call
-  fails with UNAVAILABLE, since the controller may restart the server (same port usually,
-  another host:port possibly).
+* The endpoint comes from the controller (`endpoint_source`, the node's control link), or
+  from `<run_dir>/servers/<model>.json` for a node without one, and is looked up again
+  whenever a call fails with UNAVAILABLE, since the controller may restart the server (same
+  port usually, another host:port possibly).
 * Every call carries the run's bearer token (`jetctl.auth.bearer`) and a deadline.
 * Keepalive pings every 10 s (5 s timeout, also without calls) detect a dead link; the
   server must permit that ping rate.
@@ -113,17 +114,21 @@ class SwarmTransport:
         *,
         run_dir: Path | None = None,
         endpoint: str | None = None,
+        endpoint_source: Callable[[], str] | None = None,
         call_timeout_s: float = 30.0,
         generate_timeout_s: float = 300.0,
         retry: RetryPolicy = RetryPolicy(),
         tls: TlsFiles | None = None,
     ) -> None:
-        if run_dir is None and endpoint is None:
-            raise ValueError("give run_dir (to read servers/<model>.json) or a fixed endpoint")
+        if run_dir is None and endpoint is None and endpoint_source is None:
+            raise ValueError(
+                "give endpoint_source, run_dir (to read servers/<model>.json) or an endpoint"
+            )
         self.model = model
         self._token = token
         self._run_dir = run_dir
         self._fixed_endpoint = endpoint
+        self._endpoint_source = endpoint_source
         # read once: a missing file fails here, at construction, not at the first call
         self._credentials = tls.channel_credentials() if tls is not None else None
         self.call_timeout_s = call_timeout_s
@@ -153,6 +158,13 @@ class SwarmTransport:
     def _current_endpoint(self) -> str:
         if self._fixed_endpoint is not None:
             return self._fixed_endpoint
+        if self._endpoint_source is not None:
+            endpoint = self._endpoint_source()
+            if not endpoint:
+                raise EndpointNotFound(
+                    f"the controller has not given an endpoint of {self.model!r}'s server yet"
+                )
+            return endpoint
         assert self._run_dir is not None
         return read_endpoint(self._run_dir, self.model)
 

@@ -18,7 +18,12 @@ change for their own reasons:
   one lock, and the two views made of it: the `Control.Status` reply and run.json;
 * `reconcile.Reconciler`: starting, restarting, adopting, draining nodes through runtimes,
   and probing the servers;
-* `swap.Swapper`: rolling swaps of a task's clients to a new revision.
+* `swap.Swapper`: rolling swaps of a task's clients to a new revision;
+* `hub.Hub`: the nodes' `Join` and `Sync` (from any host), which feed the run state and the
+  copy of every node's ledger journal (`received.Received`, `<run_dir>/received.sqlite`).
+
+The Control service listens on `run.control.host:port` (a free port, reused on `--resume`)
+and is advertised to nodes on other hosts as `run.control.advertise`.
 
 Run it with `jetctl up RECIPE` (or `Controller(recipe, path).run()`). Left out: scaling
 (`Scale` answers UNIMPLEMENTED).
@@ -38,6 +43,8 @@ from typing import Any
 
 import grpc
 
+from jetctl.controller.hub import Hub
+from jetctl.controller.received import Received
 from jetctl.controller.reconcile import (
     CONTAINER_PREFIX,
     CommandBuilder,
@@ -50,6 +57,7 @@ from jetctl.controller.runtimes.process import ProcessRuntime
 from jetctl.controller.service import serve_control
 from jetctl.controller.state import RunState
 from jetctl.controller.swap import Swapper, SwapResult
+from jetctl.net import WILDCARDS, connect_host
 from jetctl.proctree import pid_alive
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
@@ -115,6 +123,13 @@ class Controller:
             kill_now=self._kill_now,
         )
         self.swapper = Swapper(self.state, self.reconciler, self._stop, self.opts.grace_s)
+        self.received: Received | None = None  # opened by setup
+        self._hub: Hub | None = None
+
+    @property
+    def hub(self) -> Hub:
+        assert self._hub is not None, "setup() first"
+        return self._hub
 
     @property
     def endpoint(self) -> str:
@@ -142,6 +157,7 @@ class Controller:
         prior = read_json(self.paths.run_json)
         self._refuse_second_controller(prior)
         prior_ports = self.state.adopt_prior(prior) if self.resume and prior is not None else {}
+        prior_control = _control_port(prior) if self.resume else 0
         self.reconciler.open_runtimes()
         adopted = self.reconciler.list_running()  # exited containers an earlier one left: pruned
         if adopted and not self.resume:
@@ -158,8 +174,9 @@ class Controller:
             raise RunDirError(str(e)) from None
         self.reconciler.build_nodes(prior_ports)
         self.reconciler.adopt(adopted)
-        self._grpc, port = serve_control(self, self.token, tls=self.state.tls)
-        self.state.endpoint = f"127.0.0.1:{port}"
+        self.received = Received(self.paths.received)
+        self._hub = Hub(self.state, self.received)
+        self._serve_control(prior_control)
         if self.latest_link is not None:
             update_latest_link(self.latest_link, self.run_dir)
         with self.state.lock:
@@ -183,6 +200,7 @@ class Controller:
                     self.request_stop(reason)
                     break
                 self.state.write_run_json()
+                self.state.write_node_files()
                 if time.monotonic() >= next_plot:
                     self._refresh_plot(wait=False)
                     next_plot = time.monotonic() + self.opts.plot_every_s
@@ -220,6 +238,32 @@ class Controller:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)
+
+    def _serve_control(self, prior_port: int) -> None:
+        """Listen on run.control (the port an earlier controller of this run had, so that
+        its nodes find this one; else a free one)."""
+        cfg = self.recipe.run.control
+        wanted = [cfg.port] if cfg.port else [p for p in (prior_port,) if p] + [0]
+        port = 0
+        for want in wanted:
+            self._grpc, port = serve_control(
+                self, self.token, host=cfg.host, tls=self.state.tls, port=want
+            )
+            if port:
+                break
+        if not port:
+            raise RunDirError(f"cannot listen on {cfg.host}:{wanted[-1]} (run.control): "
+                              "is the port taken, is the address this host's?")
+        local = connect_host(cfg.host)
+        self.reconciler.control = f"{local}:{port}"  # what nodes on this host dial
+        self.state.endpoint = f"{self._advertised(cfg.host, cfg.advertise)}:{port}"
+
+    def _advertised(self, host: str, advertise: str | None) -> str:
+        if advertise or host not in WILDCARDS:
+            return advertise or host
+        ray = self.reconciler.runtimes.get("ray")
+        node_ip = getattr(ray, "node_ip", None)
+        return str(node_ip) if node_ip else "127.0.0.1"
 
     def _refuse_second_controller(self, prior: dict[str, Any] | None) -> None:
         if prior is None or prior.get("state") == "finished":
@@ -285,6 +329,7 @@ class Controller:
                 self.reconciler.drain(kind, grace)
             self.reconciler.prune()
         finally:
+            self.state.write_node_files()  # the nodes' last syncs
             self._refresh_plot(wait=True)
             with self.state.lock:
                 self.state.phase = "finished"
@@ -297,6 +342,8 @@ class Controller:
             self.reconciler.close_probes()
             if self._grpc is not None:
                 self._grpc.stop(grace=1.0)
+            if self.received is not None:
+                self.received.close()
             log.info("run %s finished: %s", self.recipe.run.name, self.stop_reason)
 
     # -- reward curve ---------------------------------------------------------------------
@@ -322,6 +369,12 @@ class Controller:
             write_reward_curve(self.run_dir)
         except (OSError, ValueError) as e:
             log.error("could not write the reward curve: %s", e)
+
+
+def _control_port(prior: dict[str, Any] | None) -> int:
+    endpoint = str(((prior or {}).get("controller") or {}).get("endpoint") or "")
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
 
 
 def _describe(handles: list[NodeHandle]) -> str:

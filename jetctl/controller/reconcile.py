@@ -2,8 +2,14 @@
 
 `Reconciler.tick()` runs about once a second in the controller's main loop: a node that died
 is restarted after its backoff (doubling up to `run.restart_backoff_max_s`, reset once it
-stayed up `stable_s`); a server is `running` once it answers gRPC health and wrote
-`servers/<model>.json`; a task's clients start once their model's server was ready once.
+stayed up `stable_s`); a server is `running` once it answers gRPC health and synced with the
+controller since its start; a task's clients start once their model's server was ready once.
+Nodes the controller does not start (a client that joined by hand, a server with runtime:
+external) are followed through their syncs only.
+
+Every node it starts gets the controller's address, the token and the TLS mode in its
+environment (`JETCTL_CONTROL`, `JETCTL_TOKEN`, `JETCTL_TLS_MODE`, `JETCTL_TLS_DIR`) and
+joins like a node on another host would: nothing else of the run dir is read by a node.
 `probe_loop` (its own thread) asks each server for health and `Status`. `drain_nodes` is the
 SIGTERM-wait-SIGKILL that `down`, the end of a run and a swap share.
 
@@ -13,6 +19,7 @@ docker: one container per node, see runtimes/docker.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -22,7 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from jetctl.controller.runtimes.base import ContainerSpec, NodeHandle, NodeKind, NodeSpec, Runtime
+from jetctl.controller.runtimes.base import (
+    ContainerSpec,
+    NodeHandle,
+    NodeKind,
+    NodeSpec,
+    Placement,
+    Runtime,
+)
 from jetctl.controller.service import ServerProbe
 from jetctl.controller.state import (
     FIRST_REVISION,
@@ -32,13 +46,18 @@ from jetctl.controller.state import (
     client_node_name,
     server_node_name,
 )
+from jetctl.link import CONTROL_ENV
 from jetctl.net import connect_host, free_port
-from jetctl.rundir import TOKEN_ENV, RunDirError, RunPaths, read_json
+from jetctl.recipe import byte_size
+from jetctl.rundir import TOKEN_ENV, RunDirError, RunPaths
+from jetctl.tls import TLS_DIR_ENV, TLS_MODE_ENV
 
 log = logging.getLogger("jetctl.controller")
 
 # the commands inside a client image (images/base/Dockerfile puts jetctl on PATH)
 CONTAINER_PREFIX = ("jetctl",)
+# the commands a Ray actor runs: its own interpreter (runtimes/ray.py swaps it in)
+RAY_PREFIX = ("python", "-m", "jetctl.cli.main")
 DEFAULT_IMAGE = "jetctl-base"
 
 
@@ -65,14 +84,16 @@ class CommandBuilder(Protocol):
 
 @dataclass(frozen=True)
 class JetctlCommands:
-    """`jetctl server` / `jetctl client` (docs/CONTRACTS.md), run by this Python without PATH."""
+    """`jetctl server` / `jetctl client` (docs/CONTRACTS.md), run by this Python without PATH.
+    They join the controller named in their environment; `--run-dir` is their own folder
+    (here the run dir, on this host)."""
 
     recipe: Path
     run_dir: Path
     prefix: tuple[str, ...] = (sys.executable, "-m", "jetctl.cli.main")
 
     def server(self, model: str, port: int, metrics_port: int | None) -> list[str]:
-        argv = [*self.prefix, "server", "--recipe", str(self.recipe), "--model", model]
+        argv = [*self.prefix, "server", "--model", model]
         argv += ["--run-dir", str(self.run_dir), "--port", str(port)]
         if metrics_port:
             argv += ["--metrics-port", str(metrics_port)]
@@ -82,7 +103,7 @@ class JetctlCommands:
         self, task: str, index: int, revision: str, name: str | None = None,
         agent: str | None = None,
     ) -> list[str]:
-        argv = [*self.prefix, "client", "--recipe", str(self.recipe), "--task", task]
+        argv = [*self.prefix, "client", "--task", task]
         argv += ["--index", str(index), "--run-dir", str(self.run_dir), "--revision", revision]
         if name is not None:
             argv += ["--name", name]
@@ -116,13 +137,23 @@ class Reconciler:
         self.container_commands = container_commands
         self.opts = options
         self.token = ""  # set by the controller's setup, before anything starts
+        self.control = ""  # host:port of the Control service, for the nodes it starts
         self._kill_now = kill_now
         self._probes: dict[str, ServerProbe] = {}
 
     # -- runtimes -------------------------------------------------------------------------
 
     def open_runtimes(self) -> None:
-        """Make the docker runtime when a task needs it and check its images are built."""
+        """Make the docker and ray runtimes when the recipe needs them (docker: check the
+        images are built; ray: connect to the cluster)."""
+        if self.recipe.uses_ray and "ray" not in self.runtimes:
+            from jetctl.controller.runtimes.base import RuntimeUnavailable
+            from jetctl.controller.runtimes.ray import RayRuntime
+
+            try:
+                self.runtimes["ray"] = RayRuntime(self.recipe.run.name, self.recipe.run.ray)
+            except RuntimeUnavailable as e:
+                raise RunDirError(f"the recipe uses runtime: ray, but {e}") from None
         docker_tasks = [t for t, c in self.recipe.tasks.items() if c.runtime == "docker"]
         if not docker_tasks:
             return
@@ -145,7 +176,10 @@ class Reconciler:
         return rev.image or self.recipe.tasks[task].image or DEFAULT_IMAGE
 
     def rt(self, handle: NodeHandle) -> Runtime:
-        """The runtime that runs `handle` (containers: docker; the rest: the process one)."""
+        """The runtime that runs `handle` (containers: docker; actors: ray; the rest: the
+        process one)."""
+        if handle.runtime and handle.runtime in self.runtimes:
+            return self.runtimes[handle.runtime]
         if handle.container_id and "docker" in self.runtimes:
             return self.runtimes["docker"]
         return self.runtime
@@ -170,15 +204,18 @@ class Reconciler:
         run = self.recipe.run
         nodes = self.state.nodes
         for model, mcfg in self.recipe.models.items():
-            port = mcfg.port or prior_ports.get(model) or free_port(mcfg.host)
+            local = mcfg.runtime == "process"
+            port = mcfg.port or prior_ports.get(model) or (free_port(mcfg.host) if local else 0)
             node = Node(
                 name=server_node_name(model),
                 kind="server",
                 model=model,
                 port=port,
-                endpoint=f"{connect_host(mcfg.host)}:{port}",
+                # elsewhere (ray, external) the server says where it is when it syncs
+                endpoint=f"{connect_host(mcfg.host)}:{port}" if local else "",
                 backoff_s=run.restart_backoff_s,
                 labels={"jetctl.run": run.name, "jetctl.kind": "server", "jetctl.model": model},
+                runtime=mcfg.runtime,
             )
             nodes[node.name] = node
         for task, tcfg in self.recipe.tasks.items():
@@ -191,7 +228,7 @@ class Reconciler:
         node = Node(
             name=client_node_name(task, index, rev.revision),
             kind="client",
-            model=tcfg.models[0],  # a team's node also reaches the task's other models
+            model=tcfg.model,
             task=task,
             index=index,
             revision=rev.revision,
@@ -230,11 +267,17 @@ class Reconciler:
                     rt.release(h)
 
     def spec(self, node: Node) -> NodeSpec:
+        commands = self.commands
+        if node.runtime == "docker":
+            commands = self.container_commands
+        elif node.runtime == "ray":
+            commands = JetctlCommands(
+                self.state.recipe_path, Path(self._ray_work_dir()), prefix=RAY_PREFIX
+            )
         if node.kind == "server":
             mcfg = self.recipe.models[node.model]
-            argv = self.commands.server(node.model, node.port, mcfg.metrics_port or None)
+            argv = commands.server(node.model, node.port, mcfg.metrics_port or None)
         else:
-            commands = self.container_commands if node.runtime == "docker" else self.commands
             name = None if node.revision == FIRST_REVISION else node.name
             argv = commands.client(node.task, node.index, node.revision, name, node.agent)
         return NodeSpec(
@@ -246,14 +289,59 @@ class Reconciler:
             task=node.task,
             index=node.index,
             revision=node.revision,
-            env={TOKEN_ENV: self.token},
+            env=self.node_env(remote=node.runtime == "ray", kind=node.kind),
             labels=dict(node.labels),
             container=self.container_spec(node) if node.runtime == "docker" else None,
+            placement=self.placement(node) if node.runtime == "ray" else None,
+        )
+
+    def node_env(self, remote: bool = False, kind: NodeKind = "client") -> dict[str, str]:
+        """What a node needs to join: the controller's address (as this host dials it, or
+        as others do), the token, the TLS files (on another host: the text of those its
+        side reads; a server dials the controller too)."""
+        env = {CONTROL_ENV: self.state.endpoint if remote else self.control, TOKEN_ENV: self.token}
+        tls = self.state.tls
+        if tls is not None:
+            env[TLS_MODE_ENV] = tls.mode
+            if remote:
+                from jetctl.controller.runtimes.ray import TLS_PEMS_ENV
+
+                files = tls.needed("client") + (tls.needed("server") if kind == "server" else [])
+                pems = {p.name: p.read_text() for p in files}
+                env[TLS_PEMS_ENV] = json.dumps(pems)
+            else:
+                env[TLS_DIR_ENV] = str(tls.dir)
+        return env
+
+    def _ray_work_dir(self) -> str:
+        work_dir = getattr(self.runtimes.get("ray"), "work_dir", None)
+        assert work_dir is not None, "runtime: ray without the ray runtime"
+        return str(work_dir())
+
+    def placement(self, node: Node) -> Placement:
+        """The node's bundle: one placement group per task revision (a bundle per client
+        node), one per server."""
+        if node.kind == "server":
+            res = self.recipe.models[node.model].resources
+            cpus, gpus, memory, custom = res.cpus, res.gpus, res.memory, res.custom
+            group, bundles = f"server/{node.model}", 1
+        else:
+            tres = self.recipe.tasks[node.task].resources
+            cpus, gpus, memory, custom = tres.cpus, tres.gpus, tres.memory, tres.custom
+            group, bundles = f"{node.task}/{node.revision}", self.recipe.tasks[node.task].clients
+        resources = {"CPU": cpus if cpus is not None else 1.0, **custom}
+        if gpus:
+            resources["GPU"] = gpus
+        if memory:
+            resources["memory"] = float(byte_size(memory))
+        return Placement(
+            group=group, bundles=max(bundles, node.index + 1), index=node.index,
+            resources=tuple(sorted(resources.items())), work_dir=self._ray_work_dir(),
         )
 
     def container_spec(self, node: Node) -> ContainerSpec:
         res = self.recipe.tasks[node.task].resources
-        mounts: list[tuple[Path, bool]] = [(self.state.recipe_path, True)]
+        mounts: list[tuple[Path, bool]] = []
         tls = self.state.tls
         if tls is not None and not tls.dir.resolve().is_relative_to(self.paths.root):
             mounts.append((tls.dir.resolve(), True))
@@ -274,7 +362,9 @@ class Reconciler:
         now = time.monotonic()
         with self.state.lock:
             for node in self.state.nodes.values():
-                if node.handle is not None and node.state in ("starting", "running"):
+                if not node.managed:
+                    self._follow(node)
+                elif node.handle is not None and node.state in ("starting", "running"):
                     st = self.rt(node.handle).poll(node.handle)
                     if not st.running:
                         self._on_exit(node, st.exit_code, now)
@@ -282,35 +372,35 @@ class Reconciler:
                         node.state = "running"
                         if node.kind == "server":
                             self.state.ever_ready.add(node.model)
-                            srv = read_json(self.paths.server_file(node.model)) or {}
-                            node.metrics = str(srv.get("metrics", ""))
                         log.info("%s is up (pid %s)", node.name, node.last_pid)
                 elif node.state == "restarting" and now >= node.next_start_at:
                     self._start(node, restart=True)
                 elif node.state == "pending" and (
-                    node.kind == "server" or self._servers_were_ready(node)
+                    node.kind == "server" or node.model in self.state.ever_ready
                 ):
                     self._start(node, restart=False)
-
-    def _servers_were_ready(self, node: Node) -> bool:
-        """A client starts once each model its task trains (a team: several) was ready once."""
-        models = self.recipe.tasks[node.task].models if node.task in self.recipe.tasks else []
-        return all(m in self.state.ever_ready for m in models or [node.model])
 
     def _ready(self, node: Node) -> bool:
         if node.kind == "client":
             return True
-        return (
-            self.state.healthy.get(node.model, False)
-            and self.paths.server_file(node.model).is_file()
-        )
+        report = self.state.reports.get(node.name)
+        synced = report is not None and report.received_at >= node.started_at
+        return self.state.healthy.get(node.model, False) and synced
+
+    def _follow(self, node: Node) -> None:
+        """A server the user runs (runtime: external): ready like the others, once it joined
+        (a joined client runs from its join on; status shows when its syncs stop)."""
+        if node.kind == "server" and node.state == "starting" and self._ready(node):
+            node.state = "running"
+            self.state.ever_ready.add(node.model)
+            log.info("%s is up (on %s)", node.name, node.host or "?")
 
     def _start(self, node: Node, restart: bool) -> None:
         if restart:
             node.restarts += 1
         if node.kind == "server":
             self.state.healthy[node.model] = False
-            self.paths.server_file(node.model).unlink(missing_ok=True)
+        node.started_at = time.time()
         try:
             handle = self.runtimes[node.runtime].start(self.spec(node))
         except OSError as e:
@@ -355,18 +445,21 @@ class Reconciler:
 
     def drain_nodes(self, nodes: Sequence[Node], grace_s: float, what: str) -> None:
         """SIGTERM `nodes`, wait up to `grace_s` (or a kill request), SIGKILL the rest.
-        A node another thread finished meanwhile (handle None) is skipped."""
+        A node another thread finished meanwhile (handle None) is skipped. A node the
+        controller did not start is told to drain at its next sync and waited for until its
+        last sync (or the grace is up: then it is forgotten, it cannot be killed from here)."""
         lock = self.state.lock
+        since = time.time()
         with lock:
-            live = [n for n in nodes if n.handle is not None]
+            live = [n for n in nodes if n.handle is not None or self._heard_of(n)]
             for n in nodes:
-                if n.handle is None:
+                if n not in live:
                     n.state = "exited"
             for n in live:
-                assert n.handle is not None
-                rt = self.rt(n.handle)
-                if rt.poll(n.handle).running:
-                    rt.terminate(n.handle)
+                if n.handle is not None:
+                    rt = self.rt(n.handle)
+                    if rt.poll(n.handle).running:
+                        rt.terminate(n.handle)
                 n.state = "draining"
         if live:
             log.info("draining %d %s node(s), grace %.0fs", len(live), what, grace_s)
@@ -374,9 +467,15 @@ class Reconciler:
         while live:
             with lock:
                 for n in list(live):
-                    if n.handle is None:
+                    if n.handle is None and n.managed:
                         live.remove(n)
                         continue
+                    if not n.managed:
+                        if self._said_goodbye(n, since):
+                            n.state = "exited"
+                            live.remove(n)
+                        continue
+                    assert n.handle is not None
                     st = self.rt(n.handle).poll(n.handle)
                     if not st.running:
                         self._finish_node(n, st.exit_code)
@@ -386,6 +485,11 @@ class Reconciler:
             if time.monotonic() >= deadline or self._kill_now.is_set():
                 with lock:
                     for n in live:
+                        if not n.managed:
+                            log.warning("%s (on %s) did not drain in time: forgotten",
+                                        n.name, n.host or "?")
+                            n.state = "exited"
+                            continue
                         if n.handle is None:
                             continue
                         log.warning("%s did not drain in time: SIGKILL", n.name)
@@ -394,6 +498,16 @@ class Reconciler:
                         self._finish_node(n, rt.poll(n.handle).exit_code)
                 break
             time.sleep(0.1)
+
+    def _heard_of(self, node: Node) -> bool:
+        """A node the controller did not start that synced lately (a drain can reach it)."""
+        return not node.managed and self.state.node_state(node, time.time()) != "unreachable"
+
+    def _said_goodbye(self, node: Node, since: float) -> bool:
+        report = self.state.reports.get(node.name)
+        return report is not None and report.received_at >= since and (
+            report.final or report.state == "exited"
+        )
 
     def _finish_node(self, node: Node, code: int | None) -> None:
         assert node.handle is not None
@@ -410,7 +524,8 @@ class Reconciler:
                 targets = [
                     (n.model, n.state, n.endpoint)
                     for n in self.state.nodes.values()
-                    if n.kind == "server" and n.handle is not None
+                    if n.kind == "server" and n.endpoint
+                    and (n.handle is not None or n.state in ("starting", "running"))
                 ]
             for model, state, endpoint in targets:
                 probe = self._probes.get(endpoint)

@@ -1,8 +1,8 @@
 """gRPC glue of the controller: the `Control` servicer, its token check, and the calls the
 controller makes to the swarm servers (health, `Status`).
 
-The servicer is thin: it hands each request to the `Controller`. `Scale` answers
-UNIMPLEMENTED for now.
+The servicer is thin: it hands each request to the `Controller` (and the nodes' `Join` and
+`Sync` to its `Hub`, hub.py). `Scale` answers UNIMPLEMENTED for now.
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ class ControlServicer(cgrpc.ControlServicer):
             context.set_details(result.message)
         return cpb.SwapReply(ok=result.ok, message=result.message, revision=result.revision)
 
+    def Join(self, request: cpb.JoinRequest, context: grpc.ServicerContext) -> cpb.JoinReply:
+        from jetctl.controller.hub import Refusal
+
+        try:
+            return self._c.hub.join(request)
+        except Refusal as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            raise AssertionError("unreachable: abort raises") from None
+
+    def Sync(self, request: cpb.SyncRequest, context: grpc.ServicerContext) -> cpb.SyncReply:
+        return self._c.hub.sync(request)
+
     def Scale(self, request: cpb.ScaleRequest, context: grpc.ServicerContext) -> cpb.ScaleReply:
         msg = (
             "scale is not implemented by this controller yet: edit tasks.<task>.clients "
@@ -89,18 +101,31 @@ class ControlServicer(cgrpc.ControlServicer):
 
 
 def serve_control(
-    controller: Controller, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None
+    controller: Controller, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None,
+    port: int = 0,
 ) -> tuple[grpc.Server, int]:
-    """Start the Control service on a free port of `host` (TLS when the run uses it);
-    returns (server, port)."""
+    """Start the Control service on `host:port` (0: a free port; TLS when the run uses it);
+    returns (server, port), port 0 when it could not bind."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="control"),
         interceptors=[TokenInterceptor(token)],
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # nodes ping every 10 s, also between syncs
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
     )
     cgrpc.add_ControlServicer_to_server(ControlServicer(controller), server)
-    port = add_port(server, f"{host}:0", tls)
-    server.start()
-    return server, port
+    try:
+        bound = add_port(server, f"{host}:{port}", tls)
+    except RuntimeError:  # grpc raises when the address is taken
+        bound = 0
+    if bound:
+        server.start()
+    return server, bound
 
 
 # The probe's channel exists before its server listens (the server loads its model first,

@@ -27,8 +27,16 @@ from jetctl.tls import TlsFiles
 
 RunPhase = Literal["starting", "running", "stopping", "finished"]
 # pending: not started yet (a client waits for its server) | starting: process up, not ready |
-# running | restarting: died, waiting out its backoff | draining: SIGTERM sent | exited
-NodeRunState = Literal["pending", "starting", "running", "restarting", "draining", "exited"]
+# running | restarting: died, waiting out its backoff | draining: SIGTERM sent (or, for a node
+# the controller did not start, told to drain at its next sync) | exited | unreachable: a node
+# the controller did not start has not synced for UNREACHABLE_S
+NodeRunState = Literal[
+    "pending", "starting", "running", "restarting", "draining", "exited", "unreachable"
+]
+# runtimes of nodes the controller does not start: a client that joined by hand
+# (`jetctl client --join`), a server the user runs (`models.<m>.runtime: external`)
+UNMANAGED = ("joined", "external")
+UNREACHABLE_S = 15.0
 
 FIRST_REVISION = "r0"
 _REVISION = re.compile(r"^r(\d+)$")
@@ -78,6 +86,31 @@ class Node:
     runtime: str = "process"  # the key of the runtime that runs it
     agent: str | None = None  # clients: --agent (None: the recipe's)
     image: str | None = None  # clients on docker
+    started_at: float = 0.0  # wall clock of the last start (or join)
+    host: str = ""  # where it runs, as it reports
+
+    @property
+    def managed(self) -> bool:
+        """The controller starts, restarts and signals it (else it only hears from it)."""
+        return self.runtime not in UNMANAGED
+
+
+@dataclass
+class Report:
+    """The last `Control.Sync` of a node: its own status figures and what it enforces."""
+
+    status: dict[str, Any]
+    received_at: float  # wall clock, at the controller
+    kind: str = "client"  # client | server
+    host: str = ""
+    endpoint: str = ""  # servers: the address clients dial
+    metrics: str = ""  # servers: /metrics
+    refused: frozenset[str] = frozenset()  # servers: the revisions they refuse now
+    final: bool = False  # it sent its last records and exits
+
+    @property
+    def state(self) -> str:
+        return str(self.status.get("state", ""))
 
 
 class RunState:
@@ -99,14 +132,21 @@ class RunState:
         self.ever_ready: set[str] = set()  # models whose server was ready once
         self.server_status: dict[str, dict[str, Any]] = {}  # model -> swarm Status as dict
         self.revisions: dict[str, TaskRevision] = {t: TaskRevision() for t in recipe.tasks}
+        self.reports: dict[str, Report] = {}  # node -> its last sync
+        self.refused: dict[str, frozenset[str]] = {}  # model -> revisions its server refuses
+        self.retired: set[str] = set()  # nodes drained and forgotten (a swap's old ones)
         self._run_json_lock = threading.Lock()
         self._last_run_json: dict[str, Any] | None = None
+        self._written: dict[str, float] = {}  # node -> received_at of the report on disk
 
     def adopt_prior(self, prior: dict[str, Any]) -> dict[str, int]:
         """Take over what an earlier controller left in run.json (start time, each task's
         revision); returns the servers' ports, to reuse."""
         self.started_at = float(prior.get("started_at", self.started_at))
         self.revisions.update(_revisions_from_run_json(prior, self.recipe.tasks))
+        for model, entries in (prior.get("refused") or {}).items():
+            if model in self.recipe.models:
+                self.refused[model] = frozenset(str(e) for e in entries)
         return _ports_from_run_json(prior)
 
     def model_version(self, model: str) -> int:
@@ -116,6 +156,25 @@ class RunState:
     def reached_max_steps(self, model: str) -> bool:
         max_steps = self.recipe.models[model].train.max_steps
         return max_steps is not None and self.model_version(model) >= max_steps
+
+    def node_state(self, node: Node, now: float) -> NodeRunState:
+        """What status shows: a node the controller does not start is unreachable once its
+        syncs stop."""
+        report = self.reports.get(node.name)
+        if node.managed or node.state not in ("starting", "running"):
+            return node.state
+        if report is None or now - report.received_at > UNREACHABLE_S:
+            return "unreachable"
+        return node.state
+
+    def servers(self) -> dict[str, str]:
+        """model -> the endpoint its server gave (or the controller assigned)."""
+        with self.lock:
+            return {
+                n.model: n.endpoint
+                for n in self.nodes.values()
+                if n.kind == "server" and n.endpoint
+            }
 
     def next_revision(self) -> str:
         """r<N+1>, N the highest revision number of the run (revisions are run-wide)."""
@@ -133,18 +192,22 @@ class RunState:
 
     def status(self) -> cpb.RunStatusReply:
         """The `Control.Status` reply: every node with its state and its own figures."""
+        now = time.time()
         with self.lock:
             rows = [
                 (
                     n,
                     n.handle.pid if n.handle else n.last_pid,
                     n.handle.container_id if n.handle else None,
-                    n.state,
+                    self.node_state(n, now),
                     n.restarts,
                 )
                 for n in self.nodes.values()
             ]
             server_json = {m: json.dumps(s, sort_keys=True) for m, s in self.server_status.items()}
+            client_json = {
+                name: json.dumps(r.status, sort_keys=True) for name, r in self.reports.items()
+            }
             phase = self.phase
         nodes = []
         for n, pid, cid, nstate, restarts in rows:
@@ -153,7 +216,7 @@ class RunState:
             elif n.kind == "server":
                 figures = server_json.get(n.model, "{}")
             else:
-                figures = _read_text(self.paths.node_file(n.name)) or "{}"
+                figures = client_json.get(n.name, "{}")
             nodes.append(
                 cpb.NodeStatus(
                     name=n.name,
@@ -199,7 +262,9 @@ class RunState:
                 if n.kind != "client":
                     continue
                 entry: dict[str, Any] = {"task": n.task, "revision": n.revision}
-                if n.handle is not None and n.handle.container_id:
+                if not n.managed:
+                    entry.update(runtime=n.runtime, host=n.host)
+                elif n.handle is not None and n.handle.container_id:
                     entry["container_id"] = n.handle.container_id
                 else:
                     entry["pid"] = n.last_pid or None
@@ -208,6 +273,7 @@ class RunState:
                 t: {"revision": r.revision, "agent": r.agent, "image": r.image}
                 for t, r in self.revisions.items()
             }
+            refused = {m: sorted(r) for m, r in self.refused.items() if r}
             phase = self.phase
         return {
             "run": self.recipe.run.name,
@@ -223,6 +289,7 @@ class RunState:
             "started_at": self.started_at,
             "tasks": tasks,
             "tls": self.tls.to_json() if self.tls is not None else None,
+            "refused": refused,
             "state": phase,
             "stop_reason": self.stop_reason or None,
             "finished_at": self.finished_at,
@@ -236,6 +303,20 @@ class RunState:
             if data != self._last_run_json:
                 write_json_atomic(self.paths.run_json, data)
                 self._last_run_json = data
+
+
+    def write_node_files(self) -> None:
+        """`nodes/<name>.json`: the last status each client node synced, kept by the
+        controller on its own disk (for tools, and after the run); a node writes no file."""
+        with self.lock:
+            fresh = [
+                (name, r) for name, r in self.reports.items()
+                if self._written.get(name) != r.received_at and r.kind == "client"
+            ]
+            for name, r in fresh:
+                self._written[name] = r.received_at
+        for name, r in fresh:
+            write_json_atomic(self.paths.node_file(name), {**r.status, "host": r.host})
 
 
 def _revisions_from_run_json(
@@ -262,9 +343,3 @@ def _ports_from_run_json(prior: dict[str, Any]) -> dict[str, int]:
             ports[model] = int(port)
     return ports
 
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None

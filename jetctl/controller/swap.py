@@ -2,9 +2,10 @@
 
 `Swapper.swap_clients` (`jetctl swap-clients`, `Control.SwapClients`) starts the task's new
 revision beside the old one (nodes `<task>-<index>-<rev>`, `--revision rev --name ...`, a new
-agent or image; the reconcile loop starts them), waits until each new node's
-`nodes/<name>.json` says running, then (with `drop_old`) tells the servers to refuse the old
-revision (jetctl/revisions.py) and drains the old nodes like `down` does. New nodes that do
+agent or image; the reconcile loop starts them), waits until each new node syncs `running`,
+then (with `drop_old`) tells the servers to refuse the old revision (in their sync replies;
+each echoes what it enforces) and drains the old nodes like `down` does (nodes that joined
+by hand are told to drain at their next sync). New nodes that do
 not come up (or keep crashing) are removed and the old revision keeps running. The task's
 current revision is kept in run.json (RunState.revisions) so that a resumed controller keeps
 it.
@@ -20,9 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jetctl.controller.reconcile import Reconciler
-from jetctl.controller.state import Node, RunState, TaskRevision
-from jetctl.revisions import read_refused, write_refused
-from jetctl.rundir import read_json
+from jetctl.controller.state import Node, RunState, TaskRevision, server_node_name
 
 log = logging.getLogger("jetctl.controller")
 
@@ -63,8 +62,8 @@ class Swapper:
     ) -> SwapResult:
         """Replace `task`'s client nodes by a new revision without pausing training.
 
-        Start the new revision's nodes beside the old ones; once every new node reports
-        `running` in `nodes/<name>.json` (it registered with its server), refuse the old
+        Start the new revision's nodes beside the old ones; once every new node syncs
+        `running` (it registered with its server), refuse the old
         revision at the servers (`drop_old`) and drain the old nodes (SIGTERM: they finish
         or time out their rollouts and flush their spools, up to `grace_s`, then SIGKILL).
         If the new nodes do not come up within `healthy_timeout_s` (or keep crashing), they
@@ -148,10 +147,10 @@ class Swapper:
         old_revisions = sorted({n.revision for n in old} | {old_rev.revision})
         refused_note = ""
         if drop_old:
+            model = self.recipe.tasks[task].model
             entries = {f"{task}/{r}" for r in old_revisions}
-            for model in self.recipe.tasks[task].models:  # a team: every model's server
-                if not self._refuse(model, entries):
-                    refused_note = f" (server {model} has not confirmed the refusal yet)"
+            if not self._refuse(model, entries):
+                refused_note = f" (server {model} has not confirmed the refusal yet)"
         self._retire(old, grace_s)
         leftovers = self._spool_leftovers(old)
         msg = (
@@ -189,9 +188,8 @@ class Swapper:
         )
 
     def _reports_running(self, node: Node, since: float) -> bool:
-        info = read_json(self.paths.node_file(node.name)) or {}
-        fresh = float(info.get("updated_at") or 0.0) >= since
-        return fresh and info.get("state") == "running"
+        report = self.state.reports.get(node.name)
+        return report is not None and report.received_at >= since and report.state == "running"
 
     def _retire(self, nodes: Sequence[Node], grace_s: float) -> None:
         """Drain `nodes` and forget them: the controller no longer restarts or lists them."""
@@ -200,17 +198,19 @@ class Swapper:
             for n in nodes:
                 if n.handle is None and self.state.nodes.get(n.name) is n:
                     del self.state.nodes[n.name]
+                    self.state.retired.add(n.name)  # a late sync from it is told to drain
         self.state.write_run_json()
 
     def _refuse(self, model: str, entries: set[str], timeout_s: float = 10.0) -> bool:
-        """Tell `model`'s server to refuse `entries` (jetctl/revisions.py); True once its
-        servers/<model>.json shows it enforces them."""
-        run_dir = self.paths.root
-        write_refused(run_dir, model, read_refused(run_dir, model) | entries)
+        """Tell `model`'s server to refuse `entries` (kept in run.json; the server hears it in
+        its sync replies); True once its sync shows it enforces them."""
+        with self.state.lock:
+            self.state.refused[model] = self.state.refused.get(model, frozenset()) | entries
+        self.state.write_run_json()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            srv = read_json(self.paths.server_file(model)) or {}
-            if entries <= set(srv.get("refused_revisions") or ()):
+            report = self.state.reports.get(server_node_name(model))
+            if report is not None and entries <= report.refused:
                 return True
             time.sleep(0.2)
         log.warning("server %s did not confirm refusing %s within %.0fs", model,
@@ -218,10 +218,11 @@ class Swapper:
         return False
 
     def _spool_leftovers(self, nodes: Sequence[Node]) -> dict[str, int]:
-        """Groups the drained nodes could not flush (their nodes/<name>.json spool_depth)."""
+        """Groups the drained nodes could not flush (the spool_depth of their last sync)."""
         left: dict[str, int] = {}
         for n in nodes:
-            depth = int((read_json(self.paths.node_file(n.name)) or {}).get("spool_depth") or 0)
+            report = self.state.reports.get(n.name)
+            depth = int((report.status if report else {}).get("spool_depth") or 0)
             if depth:
                 left[n.name] = depth
         return left

@@ -1,6 +1,11 @@
 """A swarm server process: one trainable model, its engine, store, trainer and gRPC service.
 
-Run: `jetctl server --recipe R --model M --run-dir D --port P` (the controller does this).
+Run: `jetctl server --model M --run-dir D --port P` with `JETCTL_CONTROL` set (the
+controller does this; by hand on any host: `jetctl server --join ADDR --token T --model M`),
+or `jetctl server --recipe R --model M --run-dir D` without a controller (benchmarks).
+With a controller the server gets its settings from `Control.Join` and syncs about once a
+second (jetctl.link): its advertised endpoint, the revisions it refuses and its store's
+ledger records (jetctl.journal) go to the controller; the revisions to refuse come back.
 Setup -> serve -> cleanup: load the model (LoRA-wrapped or full), resume from the last
 complete checkpoint, reload accepted-but-untrained groups, serve gRPC (+ health and
 reflection) and Prometheus /metrics, train in a thread. SIGTERM: stop accepting (health
@@ -13,7 +18,6 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +27,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jetctl.faults import Faults, drop_ack_interceptor
+from jetctl.journal import STORE_TABLES, Journal
+from jetctl.link import ControlLink, Identity
+from jetctl.net import advertised_host
 from jetctl.recipe import ModelConfig
-from jetctl.revisions import read_refused
+from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
 from jetctl.server.engines import make_engine
+from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.store import GroupCodec, TrajectoryStore
@@ -48,6 +56,18 @@ class ServerOptions:
     metrics_port: int = 0
     train: bool = True  # False: serve and store only (benchmarks)
     tls: TlsFiles | None = None  # run.tls; None: plaintext
+    link: ControlLink | None = None  # the controller; None: a server on its own
+
+
+def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
+    """(generation, training) torch CPU threads: the recipe's, or this host's cores split in
+    two, since the engine and the trainer compute at the same time. Two torch thread pools
+    that each take every core made each several times slower on a 2-core host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    gen = cfg.generation.threads or max(1, cores // 2)
+    train = cfg.train.threads or max(1, cores - gen)
+    return gen, train
 
 
 async def serve(opts: ServerOptions) -> int:
@@ -56,7 +76,8 @@ async def serve(opts: ServerOptions) -> int:
     from jetctl.models import tokenizer_files
 
     cfg = opts.cfg
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    gen_threads, train_threads = cpu_threads(cfg)
+    torch.set_num_threads(gen_threads + train_threads)  # loading; each worker sets its own
     paths = RunPaths(opts.run_dir)
     paths.server_dir(opts.name).mkdir(parents=True, exist_ok=True)
     ckpt_dir = cfg.checkpoint.dir or str(paths.checkpoints(opts.name))  # or a URL
@@ -68,16 +89,17 @@ async def serve(opts: ServerOptions) -> int:
     # a builtin built on first use (SmolLM2: download, dequantize, save) reports each step
     model, tokenizer = load_trainable(cfg, progress=phase)
     metrics = ServerMetrics()
-    lock = threading.Lock()
+    lock = WeightsLock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
     store = TrajectoryStore(
         paths.store(opts.name), decode=GroupCodec(),
         max_buffer_groups=cfg.limits.max_buffer_groups,
     )
+    journal = Journal.install(store.path, STORE_TABLES)  # before the store writes anything
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
         steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
-        faults=faults,
+        faults=faults, threads=train_threads,
     )
     phase("restoring the last checkpoint")
     version = trainer.resume()
@@ -94,9 +116,13 @@ async def serve(opts: ServerOptions) -> int:
         cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
         version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
+        threads=gen_threads,
     )
     engine = serving.engine
     trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
+    take_figures = getattr(serving.engine, "take_figures", None)
+    if take_figures is not None:
+        trainer.extra_scalars = take_figures
     vocab = int(model.get_input_embeddings().weight.shape[0])
     service = SwarmService(
         model_name=opts.name,
@@ -154,18 +180,49 @@ async def serve(opts: ServerOptions) -> int:
         trainer.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    host = advertised_host(cfg.host, cfg.advertise, opts.link.endpoint_address if opts.link else "")
+    endpoint, metrics_endpoint = f"{host}:{port}", f"{host}:{metrics_port}"
+    # a restart refuses what it refused before, also while the controller is unreachable
     service.refused_revisions = read_refused(opts.run_dir, opts.name)
-    _write_endpoint(opts, port, metrics_port, trainer.version, service.refused_revisions)
-    log.info("serving %s on %s:%d (metrics :%d)", opts.name, cfg.host, port, metrics_port)
+    if opts.link is not None:
+        service.refused_revisions |= opts.link.refused
+    _write_endpoint(opts, endpoint, metrics_endpoint, trainer.version, service.refused_revisions)
+    log.info("serving %s on %s:%d, advertised as %s (metrics :%d)", opts.name, cfg.host, port,
+             endpoint, metrics_port)
     phase("serving")
-
+    who = Identity(name=f"server-{opts.name}", kind="server", model=opts.name)
     stop = asyncio.Event()
+
+    async def sync(final: bool = False) -> None:
+        """Tell the controller where this server is, what it refuses, what its store did."""
+        if opts.link is None:
+            # swap-clients --drop-old without a controller: the file (jetctl/revisions.py)
+            service.refused_revisions = read_refused(opts.run_dir, opts.name)
+            return
+        status = {"state": "exited" if final else "running", "version": trainer.version,
+                  "pid": os.getpid(), "address": host}
+        reply = await opts.link.sync(
+            who, status=status, journal=journal, endpoint=endpoint, metrics=metrics_endpoint,
+            refused=service.refused_revisions, final=final,
+        )
+        if reply is not None and not final:
+            refused = frozenset(reply.refused_revisions)
+            if refused != service.refused_revisions:
+                write_refused(opts.run_dir, opts.name, refused)  # for a restart
+                service.refused_revisions = refused
+            if reply.drain and not stop.is_set():
+                log.info("%s", reply.message or "the controller asked this server to stop")
+                stop.set()  # as on SIGTERM: finish the step, checkpoint, exit
+
+    await sync()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    tick_s = 1.0 if opts.link is not None else 2.0
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), timeout=2.0)
+            await asyncio.wait_for(stop.wait(), timeout=tick_s)
         except asyncio.TimeoutError:
             pass
         if trainer.error is not None:
@@ -177,10 +234,9 @@ async def serve(opts: ServerOptions) -> int:
             # acked is durable) and let the controller restart from the last checkpoint
             log.critical("%s; exiting so the controller restarts this server", stalled)
             os._exit(70)
-        # swap-clients --drop-old: the controller's file (jetctl/revisions.py)
-        service.refused_revisions = read_refused(opts.run_dir, opts.name)
+        await sync()
         _write_endpoint(
-            opts, port, metrics_port, trainer.version, service.refused_revisions
+            opts, endpoint, metrics_endpoint, trainer.version, service.refused_revisions
         )
 
     log.info("draining: finishing the current step and checkpointing")
@@ -190,6 +246,12 @@ async def serve(opts: ServerOptions) -> int:
     await engine.stop()
     store.close()
     httpd.shutdown()
+    try:  # the last ledger records (steps trained while draining), best effort
+        await asyncio.wait_for(sync(final=True), timeout=10.0)
+    except asyncio.TimeoutError:
+        log.warning("last sync with the controller timed out")
+    if opts.link is not None:
+        await opts.link.close()
     return 1 if trainer.error is not None else 0
 
 
@@ -235,13 +297,15 @@ def _stalled(train_since: float | None, generate_since: float | None, limit_s: f
 
 
 def _write_endpoint(
-    opts: ServerOptions, port: int, metrics_port: int, version: int,
+    opts: ServerOptions, endpoint: str, metrics: str, version: int,
     refused: frozenset[str] = frozenset(),
 ) -> None:
+    """`servers/<model>.json` in the server's own run dir: for tools on its host (benchmarks,
+    chaos); the controller hears the same over `Control.Sync`."""
     write_json_atomic(RunPaths(opts.run_dir).server_file(opts.name), {
         "model": opts.name,
-        "endpoint": f"{opts.cfg.host}:{port}",
-        "metrics": f"{opts.cfg.host}:{metrics_port}",
+        "endpoint": endpoint,
+        "metrics": metrics,
         "pid": os.getpid(),
         "version": version,
         "refused_revisions": sorted(refused),

@@ -282,6 +282,7 @@ class SwarmService:
         self._accepted_times = [(t, n) for t, n in self._accepted_times if now - t < 60]
         window = min(60.0, max(time.time() - self.started, 1e-3))
         recent = f.recent_rewards[-64:]
+        no_signal, signal = f.signal()
         return pb.StatusReply(
             model=self.model_name,
             model_source=self.model_source,
@@ -303,6 +304,9 @@ class SwarmService:
             received_by_task=by_task,
             reward_by_task=reward_by_task,
             rejected_groups=counts.rejected_groups,
+            no_signal_recent=no_signal,
+            signal=signal,
+            skipped_groups=f.skipped_groups,
         )
 
 

@@ -1,11 +1,18 @@
 """The server's training loop: accepted groups -> staleness gate -> merge/pack -> GRPO -> step.
 
-    take groups_per_step buffered groups (oldest first)
-    refuse groups whose lag > max_staleness (again: the version moved since Submit)
+    take buffered groups (oldest first) until groups_per_step informative ones are in:
+      refuse groups whose lag > max_staleness (again: the version moved since Submit)
+      skip groups whose rewards are all equal (no GRPO signal): consumed, counted, no slot
     advantages per group -> training sequences (timeline merge) -> micro-batches (packing)
     forward/backward per micro-batch (gradient accumulation, token-mean loss)
     under the weights lock: optimizer step, version += 1  (generation sees whole versions)
     mark the groups trained at that version; checkpoint every K steps
+
+Dynamic sampling (DAPO, Yu et al. 2025): a group whose G rewards are all equal has every
+advantage 0 and moves nothing, so it never takes a batch slot; every optimizer step trains
+on exactly `groups_per_step` informative groups, and every step row reports the share of
+groups skipped. A run in which most recent groups carry no signal (`Status.signal`:
+`solved` when they all scored the best reward seen, else `collapsed`) is shown as such.
 
 Runs in its own thread beside the inference engine, on the same model object: forward and
 backward only read the weights, so generation continues during them; only the optimizer
@@ -26,6 +33,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +49,7 @@ from jetctl.server import memory, merge
 from jetctl.server import weights as W
 from jetctl.server.adapter import adapter_mode
 from jetctl.server.algorithms.grpo import LossStats, group_advantages, grpo_loss
+from jetctl.server.locks import WeightsLock
 from jetctl.server.store import StoredGroup, TrajectoryStore
 
 
@@ -125,6 +134,10 @@ def accumulate_gradients(
     return Accumulated(loss_total, stats, normalizer, forward_s, backward_s)
 
 
+SIGNAL_WINDOW = 64  # consumed groups behind Status.signal
+NO_SIGNAL_SHARE = 0.8  # above this share of equal-reward groups, the run has no signal
+
+
 @dataclass
 class TrainerFigures:
     """Running totals read by Status and /metrics."""
@@ -137,6 +150,23 @@ class TrainerFigures:
     last_step: dict[str, float] = field(default_factory=dict)
     last_checkpoint_version: int = -1
     last_checkpoint_time: float = 0.0
+    skipped_groups: int = 0  # all rewards equal: consumed without a batch slot
+    # the last SIGNAL_WINDOW consumed groups: (informative, mean reward)
+    recent_signal: deque[tuple[bool, float]] = field(
+        default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
+    best_reward: float = float("-inf")  # the best group mean reward seen
+
+    def signal(self) -> tuple[float, str]:
+        """(share of recent groups without signal, `ok` | `solved` | `collapsed`)."""
+        recent = list(self.recent_signal)
+        if not recent:
+            return 0.0, "ok"
+        flat = [r for informative, r in recent if not informative]
+        share = len(flat) / len(recent)
+        if len(recent) < SIGNAL_WINDOW // 2 or share < NO_SIGNAL_SHARE:
+            return share, "ok"
+        solved = all(r >= self.best_reward - 1e-9 for r in flat)
+        return share, "solved" if solved else "collapsed"
 
 
 class Trainer:
@@ -146,12 +176,14 @@ class Trainer:
         cfg: ModelConfig,
         store: TrajectoryStore,
         *,
-        weights_lock: threading.Lock,
+        weights_lock: threading.Lock | WeightsLock,
         checkpoint_dir: str | os.PathLike[str],  # a folder or an fsspec URL
         steps_log: Path,
         on_step: Callable[[dict[str, float]], None] | None = None,
         faults: Faults | None = None,
         publish: Callable[[int], float] | None = None,
+        threads: int | None = None,
+        extra_scalars: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -161,6 +193,9 @@ class Trainer:
         self.steps_log = steps_log
         self.on_step = on_step
         self.faults = faults or Faults()
+        # torch CPU threads of the training thread (None: train.threads, else as set)
+        self.threads = threads or cfg.train.threads
+        self.extra_scalars = extra_scalars  # more figures for each step row (the engine's)
         if cfg.train.kl_coef > 0 and not W.is_lora(model):
             raise ValueError(
                 "train.kl_coef > 0 needs finetune: lora (the reference is the base model with "
@@ -184,6 +219,9 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
+        self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
+        self._skipped: list[StoredGroup] = []  # consumed without signal since the last step
+        self._gather_since: float | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -204,6 +242,7 @@ class Trainer:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout_s)
+        self.give_back_ready()
         if self.version != self.figures.last_checkpoint_version:
             self.checkpoint()
 
@@ -213,6 +252,8 @@ class Trainer:
         return limit is not None and self.version >= limit
 
     def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's pool only
         try:
             while not self._stop.is_set() and not self.done:
                 self.busy_since = time.monotonic()
@@ -225,36 +266,72 @@ class Trainer:
     # --- one step --------------------------------------------------------------------
 
     def step_once(self, wait_s: float) -> dict[str, float] | None:
-        """Train on one batch if one is ready; returns the step scalars (None if idle)."""
+        """Train on groups_per_step informative groups once they are in; returns the step
+        scalars (None while still gathering). Groups without signal are consumed on the way."""
         tc = self.cfg.train
-        t_wait = time.monotonic()
-        taken = self.store.take(tc.groups_per_step, timeout_s=wait_s)
-        if not taken:
-            return None
-        fresh: list[StoredGroup] = []
+        if self._gather_since is None:
+            self._gather_since = time.monotonic()
+        taken = self.store.take(tc.groups_per_step - len(self._ready), timeout_s=wait_s)
         stale: list[StoredGroup] = []
+        flat: list[StoredGroup] = []
         for s in taken:
-            (stale if s.group.lag(self.version) > tc.max_staleness else fresh).append(s)
+            if s.group.lag(self.version) > tc.max_staleness:
+                stale.append(s)
+            elif _no_signal(s):
+                flat.append(s)
+            else:
+                self._ready.append(s)
+            if s not in stale:
+                self._note_consumed(s)
         if stale:
             self.store.mark_rejected(
                 [s.group.id for s in stale],
                 f"stale: lag > max_staleness {tc.max_staleness} at batch time",
             )
             self.figures.stale_at_batch += sum(len(s.group.trajectories) for s in stale)
-        if len(fresh) < tc.groups_per_step:
-            self.store.give_back(fresh)
+        if flat:  # consumed at this version without a step (the ledger's `trained`)
+            self.store.mark_trained([s.group.id for s in flat], self.version)
+            self._skipped += flat
+            self.figures.skipped_groups += len(flat)
+            self.figures.trained_groups += len(flat)
+            self.figures.trained_trajectories += sum(len(s.group.trajectories) for s in flat)
+        if len(self._ready) < tc.groups_per_step:
             return None
-        wait_s_spent = time.monotonic() - t_wait
-        return self._train(fresh, wait_s_spent)
+        batch, self._ready = self._ready[: tc.groups_per_step], self._ready[tc.groups_per_step :]
+        skipped, self._skipped = self._skipped, []
+        wait_s_spent = time.monotonic() - self._gather_since
+        self._gather_since = None
+        return self._train(batch, wait_s_spent, skipped)
 
-    def _train(self, batch: list[StoredGroup], wait_s: float) -> dict[str, float]:
+    def _note_consumed(self, s: StoredGroup) -> None:
+        rewards = [t.reward for t in s.group.trajectories]
+        mean = sum(rewards) / len(rewards)
+        f = self.figures
+        f.best_reward = max(f.best_reward, mean)
+        f.recent_signal.append((not _no_signal(s), mean))
+
+    @property
+    def groups_waiting(self) -> int:
+        """Accepted groups not yet trained: in the store's buffer or gathered for a step."""
+        return self.store.buffer_depth + len(self._ready)
+
+    def give_back_ready(self) -> None:
+        """Return the informative groups gathered for the next step to the store's buffer."""
+        ready, self._ready = self._ready, []
+        if ready:
+            self.store.give_back(ready)
+
+    def _train(
+        self, batch: list[StoredGroup], wait_s: float, skipped: list[StoredGroup] | None = None,
+    ) -> dict[str, float]:
         tc = self.cfg.train
         t0 = time.monotonic()
         version_before = self.version
         memory.reset_peak(self.device)
+        skipped = skipped or []
         sequences: list[merge.TrainSequence] = []
-        naive: list[merge.TrainSequence] = []
-        rewards: list[float] = []
+        tokens_naive = 0  # what training call by call would feed (the merge statistic)
+        rewards: list[float] = []  # of the groups trained on
         lags: list[int] = []
         zero_std = 0
         response_tokens = 0
@@ -270,11 +347,12 @@ class Trainer:
             for t, a in zip(g.trajectories, advantages):
                 response_tokens += sum(len(c.completion_ids) for c in t.calls)
                 sequences += merge.timeline_sequences(t, a, tc.merge)
-                naive += merge.timeline_sequences(t, a, "off")
+                tokens_naive += sum(
+                    len(c.prompt_ids) + len(c.completion_ids) for c in t.calls if c.completion_ids)
 
         scalars: dict[str, float] = {}
         if sequences:
-            scalars = self._optimize(sequences, naive)
+            scalars = self._optimize(sequences, tokens_naive)
         with self.lock:
             if sequences:
                 self.optimizer.step()
@@ -292,9 +370,12 @@ class Trainer:
         f.trained_groups += len(batch)
         f.trained_trajectories += n_traj
         f.tokens_trained += int(scalars.get("num_tokens", 0))
-        f.recent_rewards = (f.recent_rewards + rewards)[-256:]
-        mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        # the rollouts' reward: every group consumed for this step, skipped ones included
+        consumed = rewards + [t.reward for s in skipped for t in s.group.trajectories]
+        f.recent_rewards = (f.recent_rewards + consumed)[-256:]
+        mean = sum(consumed) / len(consumed)
+        std = (sum((r - mean) ** 2 for r in consumed) / len(consumed)) ** 0.5
+        no_signal, signal = f.signal()
         scalars.update(
             {
                 "step": float(self.version),
@@ -302,7 +383,11 @@ class Trainer:
                 "time": time.time(),
                 "reward/mean": mean,
                 "reward/std": std,
-                "frac_reward_zero_std": zero_std / len(batch),
+                "reward/trained_mean": sum(rewards) / len(rewards),
+                "frac_reward_zero_std": (zero_std + len(skipped)) / (len(batch) + len(skipped)),
+                "groups/skipped": float(len(skipped)),
+                "signal/no_signal_recent": no_signal,
+                "signal/collapsed": float(signal == "collapsed"),
                 "groups": float(len(batch)),
                 "trajectories": float(n_traj),
                 "response_length/mean": response_tokens / max(n_traj, 1),
@@ -312,13 +397,15 @@ class Trainer:
                 "timing/wait_s": wait_s,
                 "timing/train_s": t_train,
                 "timing/publish_s": publish_s,
-                "buffer/depth": float(self.store.buffer_depth),
+                "buffer/depth": float(self.groups_waiting),
             }
         )
         scalars.update(memory.memory_figures(self.device))
         if "num_tokens" in scalars and t_train > 0:
             scalars["tokens_per_second"] = scalars["num_tokens"] / t_train
         f.last_step = scalars
+        if self.extra_scalars is not None:
+            scalars.update(self.extra_scalars())
         self._log(scalars)
         if self.on_step:
             self.on_step(scalars)
@@ -327,7 +414,7 @@ class Trainer:
         return scalars
 
     def _optimize(
-        self, sequences: list[merge.TrainSequence], naive: list[merge.TrainSequence]
+        self, sequences: list[merge.TrainSequence], tokens_naive: int
     ) -> dict[str, float]:
         tc = self.cfg.train
         microbatches = merge.pack(sequences, tc.merge, tc.max_tokens_per_microbatch)
@@ -338,7 +425,6 @@ class Trainer:
         w = [n / max(acc.normalizer, 1) for n, _ in acc.stats]
         stats = [st for _, st in acc.stats]
         tokens_packed = sum(mb.num_tokens for mb in microbatches)
-        tokens_naive = sum(len(s.tokens) for s in naive)
         return {
             "loss": acc.loss,
             "grad_norm": float(grad_norm),
@@ -393,3 +479,9 @@ class Trainer:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
         with self.steps_log.open("a") as f:
             f.write(json.dumps(scalars) + "\n")
+
+
+def _no_signal(s: StoredGroup) -> bool:
+    """All G rewards equal: every GRPO advantage is 0, the group moves nothing."""
+    rewards = [t.reward for t in s.group.trajectories]
+    return max(rewards) - min(rewards) < 1e-9

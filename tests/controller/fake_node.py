@@ -1,15 +1,16 @@
-"""A fake `jetctl server` / `jetctl client` for controller tests: same argv, same run-dir files.
+"""A fake `jetctl server` / `jetctl client` for controller tests: same argv, same protocol.
 
-    python fake_node.py server --recipe R --model M --run-dir D --port P
-    python fake_node.py client --recipe R --task T --index I --run-dir D --revision REV
-        [--name N] [--agent A]
+    python fake_node.py server --model M --run-dir D --port P
+    python fake_node.py client --task T --index I --run-dir D --revision REV [--name N] [--agent A]
 
-The server serves gRPC health and a Swarm `Status` (token checked) whose model_version rises
-every FAKE_STEP_S seconds, writes `servers/<model>.json` and `metrics/<model>.steps.jsonl`.
-The client writes `nodes/<name>.json` (default name `<task>-<index>`) every 0.2 s, with
-its agent; the server echoes `refused/<model>.json` in its servers file, as the real one. Both append "start"/"sigterm"
-lines to `<run_dir>/fake_events.log` and exit 0 on SIGTERM, unless their node name is in
-FAKE_IGNORE_TERM (comma-separated): then only SIGKILL ends them.
+Both join the controller in `JETCTL_CONTROL` with `JETCTL_TOKEN` (`Control.Join`) and sync
+like the real ones (`Control.Sync`, every 0.1 s), without a ledger journal. The server serves
+gRPC health and a Swarm `Status` (token checked) whose model_version rises every FAKE_STEP_S
+seconds, writes `metrics/<model>.steps.jsonl`, and echoes the revisions the controller tells
+it to refuse. The client's status carries its agent (from its join, or --agent). Both append
+"start"/"sigterm" lines to `<run_dir>/fake_events.log` and exit 0 on SIGTERM (or when a sync
+says drain), unless their node name is in FAKE_IGNORE_TERM (comma-separated): then only
+SIGKILL ends them.
 """
 
 from __future__ import annotations
@@ -31,13 +32,44 @@ def event(run_dir: Path, name: str, what: str) -> None:
         f.write(f"{time.time():.3f} {name} {what} {os.getpid()}\n")
 
 
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # per-process tmp name: two fakes writing one file (a swap's new node under the old
-    # node's name) must not rename each other's tmp away
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+class Control:
+    """Join and Sync with the controller (blocking grpc)."""
+
+    def __init__(self) -> None:
+        import grpc
+
+        from jetctl.proto._gen import control_pb2_grpc as cgrpc
+
+        self.md = (("authorization", f"Bearer {os.environ['JETCTL_TOKEN']}"),)
+        self.channel = grpc.insecure_channel(os.environ["JETCTL_CONTROL"], options=[
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self.stub = cgrpc.ControlStub(self.channel)
+
+    def join(self, **fields: object):
+        import grpc
+
+        from jetctl.proto._gen import control_pb2 as cpb
+
+        # like the real nodes, wait for a controller that is not (yet, again) listening
+        while True:
+            try:
+                return self.stub.Join(cpb.JoinRequest(**fields), metadata=self.md, timeout=1,
+                                      wait_for_ready=True)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or STOP.is_set():
+                    raise
+
+    def sync(self, status: dict, **fields: object):
+        import grpc
+
+        from jetctl.proto._gen import control_pb2 as cpb
+
+        try:
+            return self.stub.Sync(cpb.SyncRequest(status_json=json.dumps(status), **fields),
+                                  metadata=self.md, timeout=5)
+        except grpc.RpcError:
+            return None
 
 
 def on_term(run_dir: Path, name: str) -> None:
@@ -86,21 +118,19 @@ def run_server(a: argparse.Namespace) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     server.add_insecure_port(f"127.0.0.1:{a.port}")
     server.start()
-    write_json(run_dir / "servers" / f"{a.model}.json", {
-        "model": a.model, "endpoint": f"127.0.0.1:{a.port}", "metrics": "", "pid": os.getpid(),
-        "version": 0,
-    })
+    control = Control()
+    refused = list(control.join(kind="server", model=a.model).refused_revisions)
     steps = run_dir / "metrics" / f"{a.model}.steps.jsonl"
     steps.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    refused_file = run_dir / "refused" / f"{a.model}.json"
     while not STOP.wait(0.05):
-        if refused_file.is_file():
-            refused = json.loads(refused_file.read_text())["revisions"]
-            info = json.loads((run_dir / "servers" / f"{a.model}.json").read_text())
-            if info.get("refused_revisions") != refused:
-                write_json(run_dir / "servers" / f"{a.model}.json",
-                           {**info, "refused_revisions": refused})
+        reply = control.sync(
+            {"state": "running", "version": version(), "pid": os.getpid()},
+            name=f"server-{a.model}", kind="server", model=a.model,
+            endpoint=f"127.0.0.1:{a.port}", refused_revisions=refused,
+        )
+        if reply is not None:
+            refused = list(reply.refused_revisions)
         while written < version():
             written += 1
             with open(steps, "a") as f:
@@ -110,23 +140,29 @@ def run_server(a: argparse.Namespace) -> None:
 
 
 def run_client(a: argparse.Namespace) -> None:
-    run_dir, name = Path(a.run_dir), a.name or f"{a.task}-{a.index}"
+    control = Control()
+    joined = control.join(kind="client", task=a.task, name=a.name or f"{a.task}-{a.index}",
+                          revision=a.revision, index=a.index)
+    name, agent = joined.name, a.agent or joined.agent
     done = 0
-    while not STOP.wait(0.2):
+    while not STOP.wait(0.1):
         done += 1
-        write_json(run_dir / "nodes" / f"{name}.json", {
+        reply = control.sync({
             "name": name, "task": a.task, "model": "", "state": "running",
-            "revision": a.revision, "rollouts_done": done, "rollouts_failed": 0,
+            "revision": joined.revision, "rollouts_done": done, "rollouts_failed": 0,
             "rollouts_timeout": 0, "groups_spooled": done, "spool_depth": 1,
             "spool_bytes": 10, "server_reachable": True, "acks": {"ACCEPTED": done},
-            "dropped": {}, "pid": os.getpid(), "updated_at": time.time(), "agent": a.agent,
-        })
+            "dropped": {}, "pid": os.getpid(), "updated_at": time.time(), "agent": agent,
+        }, name=name, kind="client", task=a.task, revision=joined.revision)
+        ignore = os.environ.get("FAKE_IGNORE_TERM", "").split(",")
+        if reply is not None and reply.drain and name not in ignore:
+            event(Path(a.run_dir), name, "drain-asked")
+            break
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=["server", "client"])
-    p.add_argument("--recipe", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model")
     p.add_argument("--port", type=int)

@@ -75,10 +75,10 @@ def test_drop_old_tells_the_server_to_refuse_the_old_revision(
 
     assert first.ok and second.ok, (first.message, second.message)
     assert second.revision == "r2"
-    refused = json.loads((run_dir / "refused" / "policy.json").read_text())["revisions"]
+    refused = read_run_json(run_dir)["refused"]["policy"]
     assert refused == ["arith/r0", "arith/r1"]  # task-qualified: other tasks' r0 still count
-    server = json.loads((run_dir / "servers" / "policy.json").read_text())
-    assert server["refused_revisions"] == refused, "the server confirms what it refuses"
+    echoed = r.ctl.state.reports["server-policy"].refused
+    assert sorted(echoed) == refused, "the server confirms (in its sync) what it refuses"
     assert "refused by the server" in second.message
 
 
@@ -97,7 +97,7 @@ def test_a_new_revision_that_never_comes_up_is_rolled_back(
     make_controller, run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the new node ignores nothing but never reports running: its name is not the one it
-    # writes (fake clients write nodes/<--name>.json; break that by hiding --name)
+    # syncs under (fake clients join as --name, else <task>-<index>; hide --name)
     r = make_controller(recipe_dict(clients=1)).start()
     wait_for(r.all_running, what="every node running")
     real = r.ctl.reconciler.commands

@@ -2,18 +2,24 @@
 
 Real stores and spools in a temp run dir, no processes: each test makes one history (an
 ack lost, a crash that loses steps, a node killed mid-rollout) and checks the ledger's
-classification and whether it balances.
+classification and whether it balances, twice: read from the files themselves, and from
+what a controller received of their journals (the way a run across hosts builds it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from jetctl.client.spool import Spool, SpooledGroup
-from jetctl.ledger import build_ledger
+from jetctl.client.spool import Spool
+from jetctl.controller.received import Received
+from jetctl.journal import SPOOL_TABLES, STORE_TABLES, Journal
+from jetctl.ledger import Ledger, ledger_from_files
+from jetctl.ledger import build_ledger as ledger_from_received
 from jetctl.proto.convert import group_to_pb
+from jetctl.rundir import RunPaths
 from jetctl.server.store import GroupCodec, TrajectoryStore
 from jetctl.types import TrajectoryGroup
 from tests.factories import make_group
@@ -23,12 +29,36 @@ pytestmark = pytest.mark.unit
 
 def _store(run_dir: Path, resumed_from: int = 0) -> TrajectoryStore:
     store = TrajectoryStore(run_dir / "server-policy" / "store.sqlite", decode=GroupCodec())
+    Journal.install(store.path, STORE_TABLES)  # as the server does, before it writes
     store.open(trained_through_step=resumed_from)
     return store
 
 
 def _spool(run_dir: Path, node: str = "digits-0") -> Spool:
-    return Spool(run_dir / "spool" / f"{node}.sqlite")
+    spool = Spool(run_dir / "spool" / f"{node}.sqlite")
+    Journal.install(spool.path, SPOOL_TABLES)
+    return spool
+
+
+def _received(run_dir: Path) -> Ledger:
+    """Every journal sent to a controller's copy in small batches, as the nodes' syncs do."""
+    paths = RunPaths(run_dir)
+    received = Received(paths.received)
+    sources = [("server", m, p) for m, p in paths.stores().items()]
+    sources += [("client", n, p) for n, p in paths.spools().items()]
+    for kind, name, path in sources:
+        journal = Journal.install(path, STORE_TABLES if kind == "server" else SPOOL_TABLES)
+        held = received.held(journal.id)
+        while batch := journal.since(held, limit=3):
+            held = received.apply(name=name, kind=kind, journal=journal.id, records=batch)
+        received.apply(name=name, kind=kind, journal=journal.id, records=[], final=True)
+    received.close()
+    return ledger_from_received(run_dir)
+
+
+@pytest.fixture(params=["files", "received"])
+def build_ledger(request: pytest.FixtureRequest) -> object:
+    return ledger_from_files if request.param == "files" else _received
 
 
 def _produce(spool: Spool, g: TrajectoryGroup) -> None:
@@ -44,7 +74,7 @@ def _submit(store: TrajectoryStore, spool: Spool | None, g: TrajectoryGroup,
         spool.ack(g.id, res.outcome, res.reason)  # type: ignore[arg-type]
 
 
-def test_every_outcome_is_counted_once_and_the_books_balance(tmp_path: Path) -> None:
+def test_every_outcome_is_counted_once_and_the_books_balance(tmp_path: Path, build_ledger: Any) -> None:
     store, spool = _store(tmp_path), _spool(tmp_path)
     trained, buffered, stale, pending, lost_ack = (make_group() for _ in range(5))
     for g in (trained, buffered, stale, pending, lost_ack):
@@ -67,7 +97,7 @@ def test_every_outcome_is_counted_once_and_the_books_balance(tmp_path: Path) -> 
     assert s["produced"] == 2 * 5 + 3 and s["balanced"], s["problems"]
 
 
-def test_an_acked_group_no_server_has_is_lost(tmp_path: Path) -> None:
+def test_an_acked_group_no_server_has_is_lost(tmp_path: Path, build_ledger: Any) -> None:
     _store(tmp_path)
     spool = _spool(tmp_path)
     g = make_group()
@@ -77,7 +107,7 @@ def test_an_acked_group_no_server_has_is_lost(tmp_path: Path) -> None:
     assert not ledger.balanced and ledger.count("lost") == 2
 
 
-def test_steps_lost_in_a_crash_are_trained_again_once(tmp_path: Path) -> None:
+def test_steps_lost_in_a_crash_are_trained_again_once(tmp_path: Path, build_ledger: Any) -> None:
     store, spool = _store(tmp_path), _spool(tmp_path)
     early, late = make_group(), make_group()
     for g in (early, late):
@@ -98,7 +128,7 @@ def test_steps_lost_in_a_crash_are_trained_again_once(tmp_path: Path) -> None:
     assert ledger.count("trained_twice") == 2 and not ledger.balanced
 
 
-def test_a_killed_node_loses_its_rollouts_never_half_a_group(tmp_path: Path) -> None:
+def test_a_killed_node_loses_its_rollouts_never_half_a_group(tmp_path: Path, build_ledger: Any) -> None:
     spool = _spool(tmp_path)
     spool.start("g1", ["a", "b", "c"])
     spool.drop("c", "failed", "agent raised")
@@ -110,7 +140,7 @@ def test_a_killed_node_loses_its_rollouts_never_half_a_group(tmp_path: Path) -> 
     assert s["dropped"] == {"failed": 1, "lost": 2} and s["balanced"]
 
 
-def test_one_trajectory_in_two_places_is_a_conflict(tmp_path: Path) -> None:
+def test_one_trajectory_in_two_places_is_a_conflict(tmp_path: Path, build_ledger: Any) -> None:
     store, spool = _store(tmp_path), _spool(tmp_path)
     g = make_group()
     _produce(spool, g)
@@ -118,47 +148,3 @@ def test_one_trajectory_in_two_places_is_a_conflict(tmp_path: Path) -> None:
     spool.drop(g.trajectories[0].id, "timeout", "and also dropped?")
     ledger = build_ledger(tmp_path)
     assert ledger.count("conflict") == 1 and not ledger.balanced
-
-
-def test_a_teams_books_balance_per_model_when_one_part_is_stale(tmp_path: Path) -> None:
-    """A team's rollouts make one group per model; the planner's part is trained, the coder's
-    is refused as stale: each is accounted for on the client and on its own server."""
-    planner = TrajectoryStore(tmp_path / "server-planner" / "store.sqlite", decode=GroupCodec())
-    coder = TrajectoryStore(tmp_path / "server-coder" / "store.sqlite", decode=GroupCodec())
-    for store in (planner, coder):
-        store.open(trained_through_step=0)
-    spool = _spool(tmp_path, "team-0")
-    parts = {"planner": make_group(model="planner"), "coder": make_group(model="coder")}
-    for model, g in parts.items():
-        spool.start(g.id, [t.id for t in g.trajectories], model=model)
-    spool.put_all([
-        SpooledGroup(g.id, group_to_pb(g).SerializeToString(), [t.id for t in g.trajectories],
-                     model)
-        for model, g in parts.items()
-    ])
-    _submit(planner, spool, parts["planner"])
-    planner.take(1, 1.0)
-    planner.mark_trained([parts["planner"].id], step=1)
-    _submit(coder, spool, parts["coder"], outcome="stale")
-    spool.start("g-next", ["n1", "n2"], model="coder")  # the coder's next part, running
-
-    ledger = build_ledger(tmp_path)
-    s = ledger.summary()
-    assert s["balanced"] and s["trained"] == 2 and s["rejected"] == {"stale": 2}
-    assert s["by_model"]["planner"] == {
-        "produced": 2, "trained": 2, "rejected": {}, "dropped": {}, "in_flight": {}, "lost": 0,
-        "problems": 0, "balanced": True}
-    assert s["by_model"]["coder"] == {
-        "produced": 4, "trained": 0, "rejected": {"stale": 2}, "dropped": {},
-        "in_flight": {"rollout": 2}, "lost": 0, "problems": 0, "balanced": True}
-    assert "model coder: produced 4" in ledger.render()
-
-    # an ack for a part the coder's server never stored unbalances the coder's books only
-    lost = make_group(model="coder")
-    spool.start(lost.id, [t.id for t in lost.trajectories], model="coder")
-    spool.put(lost.id, group_to_pb(lost).SerializeToString(), 2,
-              trajectory_ids=[t.id for t in lost.trajectories], model="coder")
-    spool.ack(lost.id, "accepted")
-    s = build_ledger(tmp_path).summary()
-    assert not s["by_model"]["coder"]["balanced"] and s["by_model"]["coder"]["lost"] == 2
-    assert s["by_model"]["planner"]["balanced"]

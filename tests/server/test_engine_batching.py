@@ -1,15 +1,18 @@
-"""The HF engine's dynamic batching on builtin:tiny: how requests become batches.
+"""The HF engine's continuous batching on builtin:tiny: how requests share decode steps.
 
-`on_batch` reports each `generate` the engine runs (its size); the tests drive requests
-and read those sizes: the cap (`max_batch_size`), the wait for company (`batch_wait_ms`),
-one sampling setting per batch, and cancelled requests never generated.
-(tests/server/test_engines.py checks what each reply holds; this file, how they are grouped.)
+`on_batch` reports the rows of each decode step; `take_figures` the requests admitted and
+the prompt tokens computed. The tests drive requests and read those: the cap
+(`max_batch_size`), the wait for company (`batch_wait_ms`), every sampling setting in one
+batch, a newcomer joining the batch under way, a group's shared prompt computed once,
+cancelled requests never generated, and a waiting optimizer step getting the weights
+under steady load. (tests/server/test_engines.py checks what each reply holds.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -18,6 +21,8 @@ import pytest
 
 from jetctl.recipe import GenerationConfig, ModelConfig
 from jetctl.server.engines import Engine, GenRequest, make_engine
+from jetctl.server.engines.hf import HFEngine
+from jetctl.server.locks import WeightsLock
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -30,21 +35,33 @@ def tiny() -> tuple[Any, int]:
     return model, int(tokenizer.eos_token_id)
 
 
-def engine(sizes: list[int], lock: threading.Lock | None = None, **generation: Any) -> Engine:
+def engine(
+    sizes: list[int], lock: Any = None, version: Callable[[], int] = lambda: 0,
+    **generation: Any,
+) -> HFEngine:
     model, eos = tiny()
     cfg = ModelConfig(model="builtin:tiny", generation=GenerationConfig(**generation))
-    return make_engine(
-        cfg, model, eos_token_ids=[eos], pad_token_id=eos, weights_lock=lock or threading.Lock(),
-        version=lambda: 0, on_batch=lambda n, _tokens, _s: sizes.append(n),
+    e = make_engine(
+        cfg, model, eos_token_ids=[eos], pad_token_id=eos, weights_lock=lock or WeightsLock(),
+        version=version, on_batch=lambda n, _tokens, _s: sizes.append(n),
     ).engine
+    assert isinstance(e, HFEngine)
+    return e
 
 
-def request(i: int, temperature: float = 1.0) -> GenRequest:
-    return GenRequest([5 + i, 6, 7, 8], max_tokens=2, temperature=temperature, top_p=1.0)
+def request(i: int, temperature: float = 1.0, max_tokens: int = 2) -> GenRequest:
+    # stop ids that never come: each reply is exactly max_tokens long
+    return GenRequest([5 + i, 6, 7, 8], max_tokens=max_tokens, temperature=temperature,
+                      top_p=1.0)
+
+
+def no_eos(e: HFEngine) -> HFEngine:
+    e.eos_token_ids = [10**6]
+    return e
 
 
 async def serve(sizes: list[int], body: Callable[[Engine], Any], **generation: Any) -> None:
-    e = engine(sizes, **generation)
+    e = no_eos(engine(sizes, **generation))
     e.start()
     try:
         await body(e)
@@ -52,28 +69,32 @@ async def serve(sizes: list[int], body: Callable[[Engine], Any], **generation: A
         await e.stop()
 
 
-async def test_a_batch_holds_at_most_max_batch_size() -> None:
+async def test_no_decode_step_holds_more_than_max_batch_size() -> None:
     sizes: list[int] = []
+    replies = []
 
     async def body(e: Engine) -> None:
-        await asyncio.gather(*(e.generate(request(i)) for i in range(8)))
+        replies.extend(await asyncio.gather(*(e.generate(request(i)) for i in range(8))))
 
     await serve(sizes, body, max_batch_size=3, batch_wait_ms=50)
-    assert sum(sizes) == 8 and max(sizes) == 3 and sizes[0] == 3
+    assert len(replies) == 8 and all(len(r.completion_ids) == 2 for r in replies)
+    assert max(sizes) == 3 and sizes[0] == 3
+    assert sum(sizes) == 8 * 2  # one row-step per token
 
 
-async def test_one_sampling_setting_per_batch() -> None:
+async def test_one_batch_serves_every_sampling_setting() -> None:
     sizes: list[int] = []
 
     async def body(e: Engine) -> None:
-        await asyncio.gather(*(e.generate(request(i, temperature=float(i % 2))) for i in range(4)))
+        await asyncio.gather(*(
+            e.generate(request(i, temperature=[0.0, 0.7, 1.0, 1.3][i])) for i in range(4)))
 
     await serve(sizes, body, max_batch_size=16, batch_wait_ms=50)
-    assert sorted(sizes) == [2, 2]
+    assert sizes == [4, 4]
 
 
 def batch_sizes_of_staggered_requests(batch_wait_ms: float) -> list[int]:
-    """Four requests 0.3 s apart: a long enough wait gathers them into one batch."""
+    """Four requests 0.3 s apart: a long enough wait gathers them before the first step."""
     sizes: list[int] = []
 
     async def body(e: Engine) -> None:
@@ -88,30 +109,113 @@ def batch_sizes_of_staggered_requests(batch_wait_ms: float) -> list[int]:
 
 
 def test_batch_wait_ms_gathers_requests_that_arrive_apart() -> None:
-    # no wait: the first request runs alone (the others come later, while it runs)
+    # no wait: the first request starts alone (the others come later, while it runs)
     assert batch_sizes_of_staggered_requests(batch_wait_ms=0.0)[0] == 1
-    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4]
+    assert batch_sizes_of_staggered_requests(batch_wait_ms=2000.0) == [4, 4]
+
+
+async def test_a_request_joins_the_batch_under_way() -> None:
+    """A short request that arrives while a long reply generates joins the running batch and
+    is answered long before the long one ends (no waiting for the whole batch)."""
+    sizes: list[int] = []
+    done: dict[str, float] = {}
+
+    async def body(e: Engine) -> None:
+        async def ask(name: str, req: GenRequest) -> None:
+            await e.generate(req)
+            done[name] = time.monotonic()
+
+        long = asyncio.ensure_future(ask("long", request(0, max_tokens=60)))
+        while not sizes:
+            await asyncio.sleep(0.005)
+        await ask("short", request(1, max_tokens=2))
+        await long
+
+    await serve(sizes, body, max_batch_size=16, batch_wait_ms=0)
+    assert done["short"] < done["long"]
+    assert sizes.count(2) == 2  # the two shared exactly the short reply's two steps
+    assert sum(sizes) == 60 + 2
+
+
+async def test_a_groups_shared_prompt_is_computed_once() -> None:
+    """G rollouts of one task ask with the same prompt: it is prefilled once, also for the
+    members that arrive after the batch has started."""
+    sizes: list[int] = []
+    e = no_eos(engine(sizes, max_batch_size=16, batch_wait_ms=20))
+    e.start()
+    prompt = [5, 6, 7, 8, 9, 10]
+    try:
+        early = [asyncio.ensure_future(e.generate(GenRequest(prompt, 8, 1.0, 1.0)))
+                 for _ in range(6)]
+        while not sizes:
+            await asyncio.sleep(0.005)
+        late = [asyncio.ensure_future(e.generate(GenRequest(prompt, 8, 1.0, 1.0)))
+                for _ in range(2)]
+        await asyncio.gather(*early, *late)
+        figures = e.take_figures()
+    finally:
+        await e.stop()
+    assert figures["generate/requests"] == 8
+    assert figures["generate/prompt_tokens"] == 8 * len(prompt)
+    assert figures["generate/prefill_tokens"] == len(prompt)
 
 
 async def test_cancelled_requests_are_never_generated() -> None:
-    """Requests cancelled while they wait (their rollout ended) drop out of the next batch."""
+    """Requests cancelled while they wait (their rollout ended) are never admitted."""
     sizes: list[int] = []
-    lock = threading.Lock()
-    e = engine(sizes, lock=lock, max_batch_size=16, batch_wait_ms=0)
+    lock = WeightsLock()
+    e = no_eos(engine(sizes, lock=lock, max_batch_size=16, batch_wait_ms=0))
     e.start()
+    lock.acquire()  # an optimizer step: requests wait for the weights
     try:
-        lock.acquire()  # an optimizer step: the first batch waits for the weights
-        first = asyncio.ensure_future(e.generate(request(0)))
-        while e.busy_since is None:
-            await asyncio.sleep(0.01)
-        queued = [asyncio.ensure_future(e.generate(request(i))) for i in range(1, 5)]
-        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(e.generate(request(i))) for i in range(4)]
+        await asyncio.sleep(0.1)
         queued[1].cancel()
         queued[2].cancel()
-        lock.release()
-        await asyncio.gather(first, queued[0], queued[3])
-        assert sizes == [1, 2]
     finally:
-        if lock.locked():
-            lock.release()
+        lock.release()
+    try:
+        await asyncio.gather(queued[0], queued[3])
+        figures = e.take_figures()
+        assert figures["generate/requests"] == 2
+        assert sizes == [2, 2]
+    finally:
         await e.stop()
+
+
+async def test_a_waiting_optimizer_step_gets_the_weights_under_steady_load() -> None:
+    """Requests keep coming; a thread that wants the weights (the trainer's step) gets them
+    once the replies in flight end, and the replies after it carry the new version."""
+    sizes: list[int] = []
+    lock = WeightsLock()
+    version = [0]
+    e = no_eos(engine(sizes, lock=lock, version=lambda: version[0], max_batch_size=4,
+                      batch_wait_ms=0))
+    e.start()
+    stepped = threading.Event()
+
+    def optimizer_step() -> None:
+        with lock:
+            version[0] += 1
+        stepped.set()
+
+    replies = []
+    try:
+        load = [asyncio.ensure_future(e.generate(request(i % 8, max_tokens=6)))
+                for i in range(4)]
+        while not sizes:
+            await asyncio.sleep(0.005)
+        step = threading.Thread(target=optimizer_step)
+        step.start()
+        deadline = time.monotonic() + 30
+        while not stepped.is_set() and time.monotonic() < deadline:
+            load.append(asyncio.ensure_future(e.generate(request(len(load) % 8, max_tokens=6))))
+            await asyncio.sleep(0.01)
+        step.join(timeout=30)
+        assert stepped.is_set(), "the trainer never got the weights under load"
+        replies = await asyncio.gather(*load)
+    finally:
+        await e.stop()
+    versions = [r.model_version for r in replies]
+    assert versions[:4] == [0, 0, 0, 0] and versions[-1] == 1
+    assert versions == sorted(versions)  # every request after the step got the new version

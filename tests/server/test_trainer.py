@@ -162,3 +162,47 @@ def test_kl_penalty_is_refused_without_a_reference(tmp_path: Path) -> None:
     model, _ = load_trainable(config(), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="kl_coef > 0 needs finetune: lora"):
         make_trainer(tmp_path, cfg, model=model)
+
+
+def test_every_step_trains_on_groups_per_step_informative_groups(tmp_path: Path) -> None:
+    """Dynamic sampling: groups without signal never take a batch slot. They are consumed
+    (recorded, out of the buffer), counted in the next step's row, and no row is written
+    without a step."""
+    trainer = make_trainer(tmp_path, config(groups_per_step=2))
+    order = [(1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (0.5, 0.5), (1.0, 0.0)]
+    groups = [submit(trainer, rewards=r) for r in order]
+    rows = []
+    for _ in range(6):
+        scalars = step(trainer)
+        if scalars is not None:
+            rows.append(scalars)
+    assert trainer.version == 1 and len(rows) == 1
+    row = rows[0]
+    assert row["groups"] == 2 and row["groups/skipped"] == 3
+    assert row["frac_reward_zero_std"] == pytest.approx(3 / 5)
+    # the rollouts' reward: every consumed group, skipped ones included
+    everything = [r for rs in order for r in rs]
+    assert row["reward/mean"] == pytest.approx(sum(everything) / len(everything))
+    assert row["reward/trained_mean"] == pytest.approx(0.5)
+    assert trainer.store.buffer_depth == 0
+    assert all(trainer.store.recorded(g.id) is not None for g in groups)
+    logged = trainer.steps_log.read_text().splitlines()
+    assert len(logged) == 1, "a row per optimizer step, none for skipped groups"
+
+
+def test_a_run_without_signal_is_told_apart_collapsed_or_solved(tmp_path: Path) -> None:
+    from jetctl.server.trainer import SIGNAL_WINDOW
+
+    trainer = make_trainer(tmp_path, config(groups_per_step=1))
+    submit(trainer, rewards=(0.0, 1.0))  # the best group mean seen: 0.5
+    step(trainer)
+    assert trainer.figures.signal()[1] == "ok"
+    for _ in range(SIGNAL_WINDOW):  # every answer the same well-formed wrong one
+        submit(trainer, rewards=(0.2, 0.2, 0.2))
+        step(trainer)
+    share, verdict = trainer.figures.signal()
+    assert share > 0.9 and verdict == "collapsed"
+    for _ in range(SIGNAL_WINDOW):  # every answer right
+        submit(trainer, rewards=(1.0, 1.0))
+        step(trainer)
+    assert trainer.figures.signal() == (1.0, "solved")

@@ -1,10 +1,10 @@
 """The runtime interface: how the controller starts, watches, stops and lists nodes.
 
-The controller only talks to `Runtime`; `process` (subprocesses on this host) and `docker`
-(one container per client node, `docker.py`) implement it. A node is described by a
-`NodeSpec` (plus a `ContainerSpec` for docker) and known afterwards by a `NodeHandle`,
-which carries what a later controller needs to adopt it again (`list`). Left out:
-placement on other hosts (a cluster runtime on Ray or Kubernetes comes later).
+The controller only talks to `Runtime`; `process` (subprocesses on this host), `docker`
+(one container per client node, `docker.py`) and `ray` (one actor per node on a Ray
+cluster, `ray.py`) implement it. A node is described by a `NodeSpec` (plus a
+`ContainerSpec` for docker, a `Placement` for ray) and known afterwards by a `NodeHandle`,
+which carries what a later controller needs to adopt it again (`list`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Literal
 
 NodeKind = Literal["server", "client"]
+
+
+class RuntimeUnavailable(Exception):
+    """The runtime's engine cannot be used here (no dockerd, no Ray cluster, a missing
+    image); the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,18 @@ class ContainerSpec:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the ray runtime places a node: bundle `index` of the placement group `group`
+    (`bundles` bundles of `resources` each, spread over the cluster's nodes)."""
+
+    group: str  # <task>/<revision> | server/<model>
+    bundles: int
+    index: int
+    resources: tuple[tuple[str, float], ...]  # Ray resource name -> amount, per bundle
+    work_dir: str  # on the node's host: its own run dir (spool, logs)
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """What to run for one node: a server (one per model) or a client node (N per task)."""
 
@@ -53,6 +70,7 @@ class NodeSpec:
     cwd: Path | None = None
     labels: dict[str, str] = field(default_factory=dict)
     container: ContainerSpec | None = None  # runtime: docker only
+    placement: Placement | None = None  # runtime: ray only
 
 
 @dataclass
@@ -64,6 +82,7 @@ class NodeHandle:
     container_id: str | None = None
     started_at: float = field(default_factory=time.time)
     adopted: bool = False  # found by `list`, not started by this runtime object
+    runtime: str = ""  # the runtime that runs it ('' : process, or docker by container_id)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from jetctl.controller.runtimes.base import (
     NodeSpec,
     NodeState,
     Runtime,
+    RuntimeUnavailable,
 )
 from jetctl.rundir import RunPaths
 
@@ -56,10 +57,6 @@ LABEL_NODE = "jetctl.node"
 # sh is in every base image; `exec` keeps the node as tini's only child
 _LOG_WRAPPER = 'exec "$@" >>"$JETCTL_LOG" 2>&1'
 _LIVE = ("created", "running", "restarting", "paused")
-
-
-class RuntimeUnavailable(Exception):
-    """The runtime cannot work here (no SDK, no engine, no image); the message says the fix."""
 
 
 def docker_client(timeout_s: float = 30.0) -> DockerClient:

@@ -103,3 +103,119 @@ class ScaleReply(_message.Message):
     ok: bool
     message: str
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("kind", "task", "model", "name", "revision", "host", "index")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    task: str
+    model: str
+    name: str
+    revision: str
+    host: str
+    index: int
+    def __init__(self, kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., revision: _Optional[str] = ..., host: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("name", "run", "revision", "index", "agent", "task_json", "model_json", "tls_mode", "servers", "refused_revisions")
+    class ServersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    TLS_MODE_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    run: str
+    revision: str
+    index: int
+    agent: str
+    task_json: str
+    model_json: str
+    tls_mode: str
+    servers: _containers.ScalarMap[str, str]
+    refused_revisions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[str] = ..., revision: _Optional[str] = ..., index: _Optional[int] = ..., agent: _Optional[str] = ..., task_json: _Optional[str] = ..., model_json: _Optional[str] = ..., tls_mode: _Optional[str] = ..., servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LedgerRecord(_message.Message):
+    __slots__ = ("seq", "table", "op", "key", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    table: str
+    op: str
+    key: str
+    data: str
+    def __init__(self, seq: _Optional[int] = ..., table: _Optional[str] = ..., op: _Optional[str] = ..., key: _Optional[str] = ..., data: _Optional[str] = ...) -> None: ...
+
+class SyncRequest(_message.Message):
+    __slots__ = ("name", "kind", "task", "model", "revision", "status_json", "journal", "records", "endpoint", "metrics", "refused_revisions", "final", "host")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    task: str
+    model: str
+    revision: str
+    status_json: str
+    journal: str
+    records: _containers.RepeatedCompositeFieldContainer[LedgerRecord]
+    endpoint: str
+    metrics: str
+    refused_revisions: _containers.RepeatedScalarFieldContainer[str]
+    final: bool
+    host: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., status_json: _Optional[str] = ..., journal: _Optional[str] = ..., records: _Optional[_Iterable[_Union[LedgerRecord, _Mapping]]] = ..., endpoint: _Optional[str] = ..., metrics: _Optional[str] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
+
+class SyncReply(_message.Message):
+    __slots__ = ("servers", "refused_revisions", "drain", "journal_seq", "message", "known")
+    class ServersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.ScalarMap[str, str]
+    refused_revisions: _containers.RepeatedScalarFieldContainer[str]
+    drain: bool
+    journal_seq: int
+    message: str
+    known: bool
+    def __init__(self, servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., journal_seq: _Optional[int] = ..., message: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,16 @@ class ControlStub:
                 request_serializer=control__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=control__pb2.ScaleReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/jetctl.control.v1.Control/Join',
+                request_serializer=control__pb2.JoinRequest.SerializeToString,
+                response_deserializer=control__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Sync = channel.unary_unary(
+                '/jetctl.control.v1.Control/Sync',
+                request_serializer=control__pb2.SyncRequest.SerializeToString,
+                response_deserializer=control__pb2.SyncReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -83,6 +93,18 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +127,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=control__pb2.ScaleRequest.FromString,
                     response_serializer=control__pb2.ScaleReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=control__pb2.JoinRequest.FromString,
+                    response_serializer=control__pb2.JoinReply.SerializeToString,
+            ),
+            'Sync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=control__pb2.SyncRequest.FromString,
+                    response_serializer=control__pb2.SyncReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +247,60 @@ class Control:
             '/jetctl.control.v1.Control/Scale',
             control__pb2.ScaleRequest.SerializeToString,
             control__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jetctl.control.v1.Control/Join',
+            control__pb2.JoinRequest.SerializeToString,
+            control__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jetctl.control.v1.Control/Sync',
+            control__pb2.SyncRequest.SerializeToString,
+            control__pb2.SyncReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
 """Inference engines behind one contract (`base.Engine`), picked by `models.<m>.engine`.
 
-    hf          engines/hf.py: dynamic batching of HF `generate`, on the trainer's own model
-                object, or on a replica when `generation.device` is set (a second GPU)
+    hf          engines/hf.py: continuous batching (newcomers join between decode steps) on
+                the trainer's own model object, or on a replica when `generation.device` is
+                set (a second GPU)
     continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
                 always on a replica (`generation.device`, else the trainer's device)
     vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jetctl.server.engines.base import Engine, GenRequest, GenResult
+from jetctl.server.locks import WeightsLock
 
 if TYPE_CHECKING:  # the engines import without pydantic (scripts/gpu_check.sh)
     from jetctl.recipe import ModelConfig
@@ -38,22 +40,27 @@ def make_engine(
     *,
     eos_token_ids: list[int],
     pad_token_id: int,
-    weights_lock: threading.Lock,
+    weights_lock: threading.Lock | WeightsLock,
     version: Callable[[], int],
     on_batch: Callable[[int, int, float], None] | None = None,
+    threads: int | None = None,
 ) -> ServingEngine:
-    """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`."""
+    """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`.
+
+    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`.
+    """
     from jetctl.server.engines.hf import HFEngine
     from jetctl.server.engines.replica import Replica
 
     gen = cfg.generation
+    threads = threads or gen.threads
     if cfg.engine == "hf" and gen.device is None:
         return ServingEngine(
             HFEngine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                 weights_lock=weights_lock, version=version,
                 max_batch_size=gen.max_batch_size, batch_wait_ms=gen.batch_wait_ms,
-                on_batch=on_batch,
+                on_batch=on_batch, threads=threads,
             ),
             publish=None,
         )
@@ -62,7 +69,8 @@ def make_engine(
 
         vllm = VLLMEngine(cfg, model, eos_token_ids=eos_token_ids, version=version())
         return ServingEngine(vllm, publish=vllm.publish)
-    lock = threading.Lock()  # hf: held around each generate batch; continuous: replaced
+    # hf: held around each decode step (a waiting publish stops admissions); continuous: replaced
+    lock = WeightsLock()
     replica = Replica(
         model, device=gen.device or cfg.device, version=version(),
         timeout_s=gen.publish_timeout_s, gate=lock,
@@ -71,7 +79,7 @@ def make_engine(
         engine: Engine = HFEngine(
             replica.model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
             weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
-            batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch,
+            batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch, threads=threads,
         )
         return ServingEngine(engine, publish=replica.publish)
     from jetctl.server.engines.continuous import ContinuousEngine

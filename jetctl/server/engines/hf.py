@@ -1,43 +1,112 @@
-"""HF transformers inference engine with dynamic batching.
+"""HF transformers engine: continuous batching on the trainer's own model object.
 
-Concurrent Generate calls queue up; a batcher takes every waiting request with the same
-sampling parameters (up to `max_batch_size`, waiting at most `batch_wait_ms` for company)
-and runs them as one left-padded `model.generate` in a worker thread, so the asyncio
-server keeps answering while the model works. A batch runs entirely at one model version
-(it holds the weights lock the trainer takes for its optimizer step), so the version in
-each reply is exact.
+One worker thread owns generation and runs a decode loop over the model's forward:
 
-Logprobs are of the untempered policy (log_softmax of the raw logits) at each sampled
-token: with temperature 1 they are the behaviour logprobs PPO-clip needs.
+* **Continuous batching.** Requests join the running batch between decode steps, and a
+  reply leaves it the step it ends, so a request never waits for another's long reply and
+  the batch stays full while rollouts come and go (`max_batch_size` rows at most).
+* **Shared prompts are computed once.** A GRPO group asks for G completions of the same
+  prompt at about the same time; identical prompts are prefilled once and their KV rows
+  copied, and a prompt prefilled earlier at the same model version is reused from a small
+  cache (group members that arrive a step late). On a CPU the prompt is most of the work:
+  16 rollouts of an 80-token prompt and 24 new tokens are 1,280 prompt tokens against 384
+  new ones, and deduplicated 160 against 384.
+* **Exact versions.** The worker holds the weights lock while any reply is in flight, so
+  every token of a reply comes from one model version. When the trainer (or a checkpoint
+  or weight snapshot) waits for the lock, the worker admits nobody new, finishes the
+  replies in flight and lets go; queued requests start at the next version.
+* **Per-request sampling.** Temperature (0: greedy) and top_p are applied per row, so one
+  batch serves every sampling setting. Logprobs are of the untempered policy (log_softmax
+  of the raw logits) at each sampled token: at temperature 1 the behaviour logprobs
+  PPO-clip needs.
+* **Its own CPU threads** (`generation.threads`): generation and the trainer's
+  forward/backward run at the same time in one process, and two torch thread pools that
+  each take every core slow both down several times on a small machine.
 
-Left out: continuous batching and paged KV (the vLLM engine's job), speculative decoding.
+`batch_wait_ms` is how long an idle engine waits for company before it starts a batch (the
+rest of a group's requests); later arrivals join at the next step anyway.
+
+Left out: paged KV (the cache is one left-padded tensor per layer, trimmed as rows
+leave), reuse of a conversation's earlier turns across requests, speculative decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache
 
 from jetctl.server.engines.base import GenRequest, GenResult
+
+PROMPT_CACHE_ENTRIES = 16  # prefilled prompts kept for late group members (same version)
 
 
 @dataclass
 class _Pending:
     req: GenRequest
     future: asyncio.Future[GenResult]
+    loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.done()
+
+    def finish(self, result: GenResult | BaseException) -> None:
+        def settle() -> None:
+            if self.future.done():
+                return
+            if isinstance(result, BaseException):
+                self.future.set_exception(result)
+            else:
+                self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's event loop is closed: nobody waits for this
+            pass
+
+
+@dataclass
+class _Row:
+    """One reply in the batch."""
+
+    pending: _Pending
+    stops: frozenset[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Prefilled:
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, H, T, D]
+    logits: torch.Tensor  # [V], the prediction after the prompt
+
+
+@dataclass
+class EngineFigures:
+    """Counters since the last `take_figures` (the trainer logs them with each step)."""
+
+    requests: int = 0
+    decode_steps: int = 0
+    rows: int = 0  # sum over decode steps of the rows in the batch
+    tokens: int = 0
+    prompt_tokens: int = 0  # of the requests admitted
+    prefill_tokens: int = 0  # actually computed (shared and cached prompts once)
+    busy_s: float = 0.0
 
 
 class HFEngine:
-    """Batches concurrent requests onto one HF model shared with the trainer."""
+    """Continuous batching onto one HF model shared with the trainer."""
 
     def __init__(
         self,
@@ -45,11 +114,12 @@ class HFEngine:
         *,
         eos_token_ids: list[int],
         pad_token_id: int,
-        weights_lock: threading.Lock,
+        weights_lock: Any,  # threading.Lock or jetctl.server.locks.WeightsLock
         version: Callable[[], int],
         max_batch_size: int,
         batch_wait_ms: float,
         on_batch: Callable[[int, int, float], None] | None = None,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -58,129 +128,322 @@ class HFEngine:
         self._version = version
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
-        self._on_batch = on_batch  # (batch size, tokens generated, seconds)
-        self._queue: list[_Pending] = []
-        self._running: list[_Pending] = []  # the batch under way (failed by stop, not lost)
-        self._wakeup: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._task: asyncio.Task[None] | None = None
-        self.busy_since: float | None = None  # monotonic start of the batch under way (watchdog)
+        self._on_batch = on_batch  # (rows in the step, tokens generated, seconds)
+        self.threads = threads
+        self.device = torch.device("cpu")  # the model's, read when the worker starts
+        self._cache_kwarg = "cache"
+        self._incoming: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._rows: list[_Row] = []
+        self._figures = EngineFigures()
+        self._figures_lock = threading.Lock()
+        self.busy_since: float | None = None  # monotonic start of the forward under way
+
+    # --- the asyncio side ------------------------------------------------------------
 
     def start(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._batch_loop())
+        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-        for p in self._queue + self._running:
-            if not p.future.done():
-                p.future.set_exception(RuntimeError("engine stopped"))
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._stopping = True
+            queued, self._incoming = self._incoming, []
+            self._cond.notify_all()
+        error = RuntimeError("engine stopped")
+        for p in queued + [r.pending for r in self._rows]:
+            p.finish(error)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
 
     async def generate(self, req: GenRequest) -> GenResult:
-        assert self._wakeup is not None, "engine not started"
-        fut: asyncio.Future[GenResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(req, fut))
-        self._wakeup.set()
-        return await fut
-
-    async def _batch_loop(self) -> None:
-        assert self._wakeup is not None
+        if self._thread is None:
+            raise RuntimeError("engine not started")
         loop = asyncio.get_running_loop()
+        pending = _Pending(req, loop.create_future(), loop)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine stopped")
+            self._incoming.append(pending)
+            self._cond.notify_all()
+        return await pending.future
+
+    def take_figures(self) -> dict[str, float]:
+        """Generation figures since the last call, as step-log scalars (`generate/...`)."""
+        with self._figures_lock:
+            f, self._figures = self._figures, EngineFigures()
+        return {
+            "generate/requests": float(f.requests),
+            "generate/tokens": float(f.tokens),
+            "generate/batch_size_mean": f.rows / f.decode_steps if f.decode_steps else 0.0,
+            "generate/prefill_tokens": float(f.prefill_tokens),
+            "generate/prompt_tokens": float(f.prompt_tokens),
+            "generate/busy_s": f.busy_s,
+        }
+
+    # --- the worker thread -----------------------------------------------------------
+
+    def _work(self) -> None:
+        self.device = next(self.model.parameters()).device
+        self._cache_kwarg = _cache_kwarg(self.model)
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's pool only
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self._queue:
-                continue
-            # give concurrent callers a moment to join the batch
-            if len(self._queue) < self.max_batch_size and self.batch_wait_s > 0:
-                await asyncio.sleep(self.batch_wait_s)
-            batch = self._take_batch()
-            if self._queue:
-                self._wakeup.set()
-            live = [p for p in batch if not p.future.cancelled()]
-            if not live:
-                continue
-            self.busy_since = time.monotonic()
-            self._running = live
+            with self._cond:
+                while not self._incoming and not self._stopping:
+                    self._cond.wait(timeout=1.0)
+                if self._stopping:
+                    return
+            if self.batch_wait_s > 0:  # let the rest of a group's requests arrive
+                time.sleep(self.batch_wait_s)
+            self._lock.acquire()
             try:
-                results = await loop.run_in_executor(
-                    self._executor, self._generate_batch, [p.req for p in live]
-                )
-            except Exception as exc:  # noqa: BLE001 - a failed batch fails its callers, not the engine
-                for p in live:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
+                self._serve_one_version()
             finally:
-                self.busy_since = None
-                self._running = []
-            for p, r in zip(live, results):
-                if not p.future.done():
-                    p.future.set_result(r)
+                self._lock.release()
 
-    def _take_batch(self) -> list[_Pending]:
-        first = self._queue[0]
-        key = (first.req.temperature, first.req.top_p)
-        batch: list[_Pending] = []
-        rest: list[_Pending] = []
-        for p in self._queue:
-            if len(batch) < self.max_batch_size and (p.req.temperature, p.req.top_p) == key:
-                batch.append(p)
-            else:
-                rest.append(p)
-        self._queue = rest
-        return batch
+    def _serve_one_version(self) -> None:
+        """Serve until the batch empties; admit newcomers unless someone waits for the lock."""
+        version = self._version()
+        prompts: OrderedDict[tuple[int, ...], _Prefilled] = OrderedDict()
+        state = _BatchState()
+        while not self._stopping:
+            if self._may_admit():
+                room = self.max_batch_size - len(self._rows)
+                with self._cond:
+                    admitted, self._incoming = self._incoming[:room], self._incoming[room:]
+                admitted = [p for p in admitted if not p.cancelled]
+                if admitted:
+                    self._run_guarded(partial(self._admit, state, admitted, prompts), admitted)
+            self._drop_cancelled(state)
+            if not self._rows:
+                return
+            self._run_guarded(partial(self._decode_step, state, version), None)
 
-    @torch.no_grad()
-    def _generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
+    def _may_admit(self) -> bool:
+        """Newcomers join unless someone waits for the weights. With a plain lock, which
+        cannot tell, only an empty batch takes newcomers (no one waits forever)."""
+        waiting = getattr(self._lock, "waiting", None)
+        return not self._rows if waiting is None else waiting == 0
+
+    def _run_guarded(self, fn: Callable[[], None], admitted: list[_Pending] | None) -> None:
+        """A failed forward fails the replies it touched, not the engine."""
         t0 = time.monotonic()
-        width = max(len(r.prompt_ids) for r in reqs)
-        input_ids = torch.full((len(reqs), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):  # left padding
-            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attention[i, width - len(r.prompt_ids) :] = 1
-        max_new = max(max(r.max_tokens, 1) for r in reqs)
-        temperature = reqs[0].temperature
-        # an explicit config: a checkpoint's own generation defaults (top_k=50,
-        # repetition penalties) would change the sampling distribution silently
-        config = GenerationConfig(
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_p=reqs[0].top_p if temperature > 0 else None,
-            top_k=None,
-            max_new_tokens=max_new,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        with self._lock:
-            version = self._version()
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention, generation_config=config
-            )
-        new_tokens = out.sequences[:, width:]  # [B, T_new]
-        logits = torch.stack(out.logits, dim=1).float()  # [B, T_new, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1))
-        logprobs = logprobs.squeeze(-1)  # [B, T_new]
-        results = [
-            self._finish(r, new_tokens[i].tolist(), logprobs[i].tolist(), version)
-            for i, r in enumerate(reqs)
-        ]
-        if self._on_batch:
-            n_tokens = sum(len(r.completion_ids) for r in results)
-            self._on_batch(len(reqs), n_tokens, time.monotonic() - t0)
-        return results
+        self.busy_since = t0
+        try:
+            with torch.inference_mode():
+                fn()
+        except Exception as exc:  # noqa: BLE001  # the callers get it; the engine serves on
+            victims = [r.pending for r in self._rows] + (admitted or [])
+            self._rows = []
+            for p in victims:
+                p.finish(exc)
+        finally:
+            self.busy_since = None
+            with self._figures_lock:
+                self._figures.busy_s += time.monotonic() - t0
 
-    def _finish(
-        self, req: GenRequest, ids: list[int], lps: list[float], version: int
-    ) -> GenResult:
-        stops = set(self.eos_token_ids) | set(req.stop_token_ids)
-        limit = max(req.max_tokens, 1)
-        for j, tok in enumerate(ids[:limit]):
-            if tok in stops:
-                return GenResult(ids[: j + 1], lps[: j + 1], version, "stop")
-        return GenResult(ids[:limit], lps[:limit], version, "length")
+    # --- admission: prefill and merge ------------------------------------------------
+
+    def _admit(
+        self, state: _BatchState, admitted: list[_Pending],
+        prompts: OrderedDict[tuple[int, ...], _Prefilled],
+    ) -> None:
+        keys = [tuple(p.req.prompt_ids) for p in admitted]
+        todo = [k for k in dict.fromkeys(keys) if k not in prompts]
+        computed = sum(len(k) for k in todo)
+        if todo:
+            for key, pre in zip(todo, self._prefill([list(k) for k in todo])):
+                prompts[key] = pre
+        for key in keys:
+            prompts.move_to_end(key)
+        while len(prompts) > max(PROMPT_CACHE_ENTRIES, len(set(keys))):
+            prompts.popitem(last=False)
+        with self._figures_lock:
+            self._figures.requests += len(admitted)
+            self._figures.prompt_tokens += sum(len(k) for k in keys)
+            self._figures.prefill_tokens += computed
+        state.merge([prompts[k] for k in keys], self.device)
+        for p in admitted:
+            stops = frozenset(self.eos_token_ids) | frozenset(p.req.stop_token_ids)
+            self._rows.append(_Row(p, stops))
+
+    def _prefill(self, prompts: list[list[int]]) -> list[_Prefilled]:
+        """One forward over the distinct prompts (left-padded); each one's KV and logits."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        logits = out.logits[:, -1].float()  # [P, V]
+        result = []
+        for i, p in enumerate(prompts):
+            start = width - len(p)  # drop this prompt's left padding
+            kv = [(k[i : i + 1, :, start:], v[i : i + 1, :, start:]) for k, v, *_ in cache]
+            result.append(_Prefilled(kv, logits[i]))
+        return result
+
+    # --- one decode step ---------------------------------------------------------------
+
+    def _decode_step(self, state: _BatchState, version: int) -> None:
+        t0 = time.monotonic()
+        rows = self._rows
+        logits = state.logits  # [B, V], the prediction for each row's next token
+        assert logits is not None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = self._sample(logits, [r.pending.req for r in rows])  # [B]
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        keep: list[int] = []
+        done: list[tuple[_Row, GenResult]] = []
+        for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), chosen)):
+            row.ids.append(tok)
+            row.logprobs.append(lp)
+            limit = max(row.pending.req.max_tokens, 1)
+            if tok in row.stops:
+                done.append((row, GenResult(row.ids, row.logprobs, version, "stop")))
+            elif len(row.ids) >= limit:
+                done.append((row, GenResult(row.ids, row.logprobs, version, "length")))
+            else:
+                keep.append(i)
+        with self._figures_lock:
+            self._figures.decode_steps += 1
+            self._figures.rows += len(rows)
+            self._figures.tokens += len(rows)
+        if self._on_batch:  # before the replies go out: a caller sees its own step counted
+            self._on_batch(len(rows), len(rows), time.monotonic() - t0)
+        for row, result in done:
+            row.pending.finish(result)
+        if len(keep) < len(rows):
+            state.select(keep)
+            self._rows = [rows[i] for i in keep]
+        if self._rows:
+            next_ids = tokens[keep] if len(keep) < len(rows) else tokens
+            state.logits = self._forward_one(state, next_ids)
+
+    def _forward_one(self, state: _BatchState, next_ids: torch.Tensor) -> torch.Tensor:
+        assert state.mask is not None and state.positions is not None
+        state.mask = torch.cat(
+            [state.mask, torch.ones((state.mask.shape[0], 1), dtype=state.mask.dtype,
+                                    device=state.mask.device)], dim=-1)
+        cache = state.cache
+        out = self.model(
+            input_ids=next_ids.unsqueeze(-1).to(self.device), attention_mask=state.mask,
+            position_ids=state.positions.unsqueeze(-1), use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        state.positions = state.positions + 1
+        logits: torch.Tensor = out.logits[:, -1].float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> torch.Tensor:
+        """Per-row temperature and top_p; greedy rows take the argmax."""
+        temps = torch.tensor([r.temperature for r in reqs], device=logits.device)
+        greedy = logits.argmax(dim=-1)
+        if bool((temps <= 0).all()):
+            return greedy
+        scaled = logits / temps.clamp(min=1e-6).unsqueeze(-1)
+        top_p = torch.tensor([r.top_p for r in reqs], device=logits.device)
+        if bool((top_p < 1.0).any()):
+            # nucleus: keep the smallest set of most likely tokens whose mass reaches top_p
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+            drop = before >= top_p.unsqueeze(-1)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+        sampled = torch.multinomial(scaled.softmax(dim=-1), 1).squeeze(-1)
+        return torch.where(temps > 0, sampled, greedy)
+
+    def _drop_cancelled(self, state: _BatchState) -> None:
+        """Rows whose caller went away (a rollout that ended) leave at once."""
+        keep = [i for i, r in enumerate(self._rows) if not r.pending.cancelled]
+        if len(keep) < len(self._rows):
+            state.select(keep)
+            self._rows = [self._rows[i] for i in keep]
+
+
+class _BatchState:
+    """The batch's left-padded KV cache, attention mask, next positions and next logits."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [B, T]
+        self.positions: torch.Tensor | None = None  # [B], position of each row's next token
+        self.logits: torch.Tensor | None = None  # [B, V]
+
+    def merge(self, new: list[_Prefilled], device: torch.device) -> None:
+        """Append rows (one per prefilled prompt, repeats allowed) to the batch."""
+        width = max(p.kv[0][0].shape[2] for p in new)
+        old_width = self.mask.shape[1] if self.mask is not None else 0
+        total = max(width, old_width)
+        old = [(k, v) for k, v, *_ in self.cache] if self.cache is not None else []
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(len(new[0].kv)):
+            ks = [_left_pad(p.kv[layer][0], total) for p in new]
+            vs = [_left_pad(p.kv[layer][1], total) for p in new]
+            if old:
+                ks.insert(0, _left_pad(old[layer][0], total))
+                vs.insert(0, _left_pad(old[layer][1], total))
+            layers.append((torch.cat(ks, dim=0), torch.cat(vs, dim=0)))
+        masks = [
+            torch.cat([torch.zeros(total - p.kv[0][0].shape[2], dtype=torch.long),
+                       torch.ones(p.kv[0][0].shape[2], dtype=torch.long)]).to(device)
+            for p in new
+        ]
+        new_mask = torch.stack(masks)
+        lengths = torch.tensor([p.kv[0][0].shape[2] for p in new], device=device)
+        new_logits = torch.stack([p.logits for p in new])
+        if self.mask is not None and self.positions is not None and self.logits is not None:
+            old_mask = torch.cat(
+                [torch.zeros((self.mask.shape[0], total - old_width), dtype=self.mask.dtype,
+                             device=device), self.mask], dim=-1)
+            self.mask = torch.cat([old_mask, new_mask])
+            self.positions = torch.cat([self.positions, lengths])
+            self.logits = torch.cat([self.logits, new_logits])
+        else:
+            self.mask, self.positions, self.logits = new_mask, lengths, new_logits
+        self.cache = DynamicCache(ddp_cache_data=layers)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these rows; trim the left padding no row needs any more."""
+        if not keep:
+            self.cache = self.mask = self.positions = self.logits = None
+            return
+        assert self.cache is not None and self.mask is not None
+        index = torch.tensor(keep, device=self.mask.device)
+        self.mask = self.mask[index]
+        assert self.positions is not None and self.logits is not None
+        self.positions = self.positions[index]
+        self.logits = self.logits[index]
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else 0
+        self.mask = self.mask[:, start:]
+        layers = [(k[index, :, start:], v[index, :, start:]) for k, v, *_ in self.cache]
+        self.cache = DynamicCache(ddp_cache_data=layers)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, H, width, D], zeros on the left (masked out)."""
+    missing = width - t.shape[2]
+    if missing <= 0:
+        return t
+    pad = torch.zeros((*t.shape[:2], missing, t.shape[3]), dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=2)
+
+
+def _cache_kwarg(model: Any) -> str:
+    """The forward's name for the KV cache: `cache` (transformers 5.2x) or
+    `past_key_values` (earlier releases)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

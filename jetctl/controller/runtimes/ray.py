@@ -1,0 +1,368 @@
+"""The ray runtime: one Ray actor per node on the cluster at `run.ray.address`.
+
+    pip install 'jetctl[ray]'        # every host of the cluster needs jetctl importable
+
+Ray places, jetctl does not schedule: each task revision's client nodes get one placement
+group (`<task>/<revision>`, a bundle per node of `tasks.<t>.resources`: cpus, gpus, memory
+and custom resources, strategy SPREAD) and each server its own (`server/<model>`, `models.
+<m>.resources`); node `i` is an actor in bundle `i`. The actor (`NodeProcess`) runs the same
+`jetctl client` / `jetctl server` command the process runtime runs, as a subprocess on its
+Ray host, in the run's work dir there (`run.ray.work_dir/<namespace>`: the node's spool and
+log), with the controller's address, the token and the TLS files in its environment (TLS
+files travel as PEM text and are written 0600 on the host). So the node joins the controller
+over the network like any other.
+
+Actors are named after their node and detached, in the namespace `run.ray.namespace`
+(default `jetctl-<run>`): a controller that died leaves them running and `jetctl up --resume`
+finds them (`list`); `jetctl down` and the end of the run remove them and the placement
+groups. Restarts are the controller's (with its backoff), not Ray's: `max_restarts=0`.
+
+Left out: Ray's own logs (the node's log stays on its host, `logs/<node>.log` under the work
+dir), autoscaling.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jetctl.controller.runtimes.base import (
+    NodeHandle,
+    NodeSpec,
+    NodeState,
+    Placement,
+    Runtime,
+    RuntimeUnavailable,
+)
+from jetctl.net import route_address
+
+if TYPE_CHECKING:
+    from jetctl.recipe import RayConfig
+
+log = logging.getLogger("jetctl.controller")
+
+PYTHON = "python"  # argv[0] of a node command: the Ray worker's own interpreter
+TLS_PEMS_ENV = "JETCTL_TLS_PEMS"  # {file name: PEM text}, written to the host's work dir
+CALL_TIMEOUT_S = 10.0
+POLL_TIMEOUT_S = 2.0  # a poll runs in the reconcile loop: an actor not placed yet is "running"
+
+
+class NodeProcess:
+    """The actor: runs one node's command as a subprocess on its Ray host (see module doc).
+
+    A session of its own (the rollouts of a client node are process groups inside it, so
+    `kill` reaches them), and the kernel kills it if the actor's process dies."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self._start()  # when Ray placed it; an error here is a dead actor, restarted later
+
+    def _start(self) -> None:
+        work = Path(self.spec["work_dir"])
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec["env"], "PYTHONUNBUFFERED": "1"}
+        pems = json.loads(env.pop(TLS_PEMS_ENV, "") or "{}")
+        if pems:
+            tls = work / "tls"
+            tls.mkdir(mode=0o700, exist_ok=True)
+            for name, text in pems.items():
+                fd = os.open(tls / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+            env["JETCTL_TLS_DIR"] = str(tls)
+        argv = list(self.spec["argv"])
+        if argv and argv[0] == PYTHON:
+            argv[0] = sys.executable
+        log_path = work / "logs" / f"{self.spec['name']}.log"
+        with open(log_path, "ab") as out:
+            out.write(f"\n--- jetctl: starting {self.spec['name']}: {' '.join(argv)}\n".encode())
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _DIE_WITH_PARENT, *argv], stdout=out,
+                stderr=subprocess.STDOUT, env=env, cwd=str(work), start_new_session=True,
+            )
+        self.started_at = time.time()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec, "pid": self.proc.pid if self.proc else 0,
+            "host": socket.gethostname(), "started_at": self.started_at,
+            "running": self.proc is not None and self.proc.poll() is None,
+        }
+
+    def poll(self) -> tuple[bool, int | None]:
+        if self.proc is None:
+            return False, None
+        code = self.proc.poll()
+        return code is None, code
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)  # the node's own process group
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> int | None:
+        """SIGKILL the node's whole session (its rollouts too); its exit code."""
+        if self.proc is None:
+            return None
+        from jetctl import proctree
+
+        proctree.kill_session(self.proc.pid)
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+# PR_SET_PDEATHSIG (1): SIGKILL the node when the actor's process dies (Linux), then exec it
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, 9)\nexcept OSError:\n    pass\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+class RayRuntime(Runtime):
+    """Nodes as detached actors in one Ray namespace (see the module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, run: str, cfg: RayConfig) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeUnavailable(
+                "the ray package is not installed: pip install 'jetctl[ray]'"
+            ) from None
+        self._ray = ray
+        self.namespace = cfg.namespace or f"jetctl-{run}"
+        self.runtime_env = dict(cfg.runtime_env)
+        self.work_root = cfg.work_dir
+        extra: dict[str, Any] = {}
+        if cfg.address and cfg.address != "auto":
+            # this host's address towards the head: Ray's own guess dials a public address
+            extra["_node_ip_address"] = route_address(cfg.address)
+        try:
+            ray.init(
+                address=cfg.address, namespace=self.namespace, ignore_reinit_error=True,
+                logging_level=logging.WARNING, log_to_driver=False, **extra,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RuntimeUnavailable(
+                f"cannot reach the Ray cluster at run.ray.address={cfg.address!r}: {e}"
+            ) from None
+        self.node_ip = str(ray.util.get_node_ip_address())
+        self._actor_class = ray.remote(NodeProcess)
+        self._actors: dict[str, Any] = {}  # node name -> actor handle
+
+    def work_dir(self) -> str:
+        return str(Path(self.work_root) / self.namespace)
+
+    # -- the interface ------------------------------------------------------------------
+
+    def start(self, spec: NodeSpec) -> NodeHandle:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        p = spec.placement
+        if p is None:
+            raise ValueError(f"{spec.name}: the ray runtime needs spec.placement")
+        self._remove_actor(spec.name)  # a dead one of this name (its restart)
+        pg = self._group(p)
+        res = dict(p.resources)
+        actor: Any = self._actor_class.options(
+            name=spec.name, namespace=self.namespace, lifetime="detached", max_restarts=0,
+            max_concurrency=4, num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0),
+            memory=res.pop("memory", None), resources=res or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=p.index
+            ),
+            runtime_env=self.runtime_env or None,
+        ).remote(_spec_json(spec))
+        # returns at once: Ray places it when the group's resources are free, and `poll`
+        # sees it run (or die)
+        self._actors[spec.name] = actor
+        return NodeHandle(spec=spec, pid=None, runtime="ray", started_at=time.time())
+
+    def poll(self, handle: NodeHandle) -> NodeState:
+        ray = self._ray
+        actor = self._actor(handle.spec.name)
+        if actor is None:
+            return NodeState(running=False)
+        try:
+            running, code = ray.get(actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            return NodeState(running=True)  # still being placed, or busy: not dead
+        except ray.exceptions.RayActorError:
+            return NodeState(running=False)
+        return NodeState(running=bool(running), exit_code=code)
+
+    def terminate(self, handle: NodeHandle) -> None:
+        actor = self._actor(handle.spec.name)
+        if actor is not None:
+            actor.signal.remote(int(signal.SIGTERM))
+
+    def kill(self, handle: NodeHandle) -> None:
+        ray = self._ray
+        actor = self._actor(handle.spec.name)
+        if actor is None:
+            return
+        try:
+            ray.get(actor.kill.remote(), timeout=CALL_TIMEOUT_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            pass
+        self._remove_actor(handle.spec.name)
+
+    def list(self, run: str = "") -> builtins.list[NodeHandle]:
+        """The run's actors whose node still runs (to adopt after a controller restart)."""
+        ray = self._ray
+        out: builtins.list[NodeHandle] = []
+        for name in self._names():
+            actor = self._actor(name)
+            if actor is None:
+                continue
+            try:
+                info = ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                continue
+            if info["running"]:
+                out.append(NodeHandle(spec=_spec_from(info["spec"]), runtime="ray",
+                                      adopted=True, started_at=float(info["started_at"])))
+        return out
+
+    def release(self, handle: NodeHandle) -> None:
+        self._remove_actor(handle.spec.name)
+
+    def prune(self, run: str = "") -> int:
+        """Remove exited actors, and placement groups no live actor uses."""
+        ray = self._ray
+        live_groups: set[str] = set()
+        removed = 0
+        for name in self._names():
+            actor = self._actor(name)
+            if actor is None:
+                continue
+            try:
+                info = ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                continue
+            if info["running"] or not info["started_at"]:
+                live_groups.add(info["spec"]["placement"]["group"])
+            else:
+                self._remove_actor(name)
+                removed += 1
+        for group in self._groups():
+            if group not in live_groups:
+                self._remove_group(group)
+        return removed
+
+    def close(self) -> None:
+        self._ray.shutdown()
+
+    # -- actors and placement groups ----------------------------------------------------
+
+    def _names(self) -> builtins.list[str]:
+        found = self._ray.util.list_named_actors(all_namespaces=True)
+        return sorted(
+            str(a["name"]) for a in found
+            if isinstance(a, dict) and a.get("namespace") == self.namespace
+        )
+
+    def _actor(self, name: str) -> Any:
+        actor = self._actors.get(name)
+        if actor is None:
+            try:
+                actor = self._ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                return None
+            self._actors[name] = actor
+        return actor
+
+    def _remove_actor(self, name: str) -> None:
+        """Kill the actor and wait until its name is free (a restart reuses it)."""
+        actor = self._actor(name)
+        self._actors.pop(name, None)
+        if actor is None:
+            return
+        try:
+            self._ray.kill(actor, no_restart=True)
+        except self._ray.exceptions.RayActorError:
+            pass
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                self._ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                return
+            time.sleep(0.1)
+        log.warning("ray actor %s still named %.0fs after it was killed", name, CALL_TIMEOUT_S)
+
+    def _pg_name(self, group: str) -> str:
+        return f"{self.namespace}/{group}"
+
+    def _group(self, p: Placement) -> Any:
+        """The placement group of `p.group`, made (detached, SPREAD) the first time."""
+        util = self._ray.util
+        try:
+            return util.get_placement_group(self._pg_name(p.group))
+        except ValueError:
+            pass
+        bundle = {k: v for k, v in p.resources if v}
+        return util.placement_group(
+            [dict(bundle) for _ in range(p.bundles)], strategy="SPREAD",
+            name=self._pg_name(p.group), lifetime="detached",
+        )
+
+    def _groups(self) -> builtins.list[str]:
+        prefix = f"{self.namespace}/"
+        table = self._ray.util.placement_group_table()
+        return [
+            str(info["name"])[len(prefix):] for info in table.values()
+            if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED"
+        ]
+
+    def _remove_group(self, group: str) -> None:
+        util = self._ray.util
+        try:
+            util.remove_placement_group(util.get_placement_group(self._pg_name(group)))
+        except ValueError:
+            pass
+
+
+def _spec_json(spec: NodeSpec) -> dict[str, Any]:
+    """What the actor keeps of the spec: enough to run the node and to adopt it later."""
+    p = spec.placement
+    assert p is not None
+    return {
+        "name": spec.name, "kind": spec.kind, "argv": list(spec.argv), "model": spec.model,
+        "task": spec.task, "index": spec.index, "revision": spec.revision,
+        "env": dict(spec.env), "labels": dict(spec.labels), "work_dir": p.work_dir,
+        "log_path": str(spec.log_path),
+        "placement": {"group": p.group, "bundles": p.bundles, "index": p.index,
+                      "resources": [list(r) for r in p.resources], "work_dir": p.work_dir},
+    }
+
+
+def _spec_from(d: dict[str, Any]) -> NodeSpec:
+    p = d["placement"]
+    return NodeSpec(
+        name=d["name"], kind=d["kind"], argv=list(d["argv"]), log_path=Path(d["log_path"]),
+        model=d["model"], task=d["task"], index=int(d["index"]), revision=d["revision"],
+        env={}, labels=dict(d["labels"]),
+        placement=Placement(
+            group=p["group"], bundles=int(p["bundles"]), index=int(p["index"]),
+            resources=tuple((str(k), float(v)) for k, v in p["resources"]),
+            work_dir=p["work_dir"],
+        ),
+    )

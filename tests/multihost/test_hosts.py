@@ -1,0 +1,230 @@
+"""A run across four hosts that share no run directory, and a 30 s partition of one of them.
+
+Hosts are network namespaces on the test's own veth links (tests/multihost/netns.py): the
+controller on `ctl`, a server the user starts on `srv` (`models.policy.runtime: external`,
+`jetctl server --join`), one client node joined by hand on each of `c1` and `c2` (`jetctl
+client --join`). Each has its own folder; the only files carried between them are the run
+CA's certificates, as a user would copy them (the run uses TLS, with the hosts' addresses as
+names). Then `c1` loses its link for 30 s: its node keeps rolling out (`inference: local`:
+it generates with the weights it pulled last) and spools, training goes on with `c2`, and
+after the heal the spooled groups are delivered (`max_staleness` is large: they are
+accepted, not refused as stale). After `jetctl down`
+the ledger, built from what the controller received, balances, and equals the ledger of the
+hosts' own files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jetctl.ledger import build_ledger, ledger_from_files
+from jetctl.rundir import RunPaths
+from tests.multihost.netns import Hosts, need_netns
+
+pytestmark = [pytest.mark.integration, pytest.mark.multihost]
+
+ROOT = Path(__file__).resolve().parents[2]
+JETCTL = [sys.executable, "-m", "jetctl.cli.main"]
+TOKEN = "multihost-test-token-0123456789"
+PORT = 7700
+CUT_S = 30.0
+
+RECIPE = """
+run:
+  name: hosts
+  token: {token}
+  control: {{host: 0.0.0.0, port: {port}, advertise: {ctl}}}
+  tls: {{mode: tls}}
+models:
+  policy:
+    model: builtin:tiny
+    finetune: full
+    optimizer: {{lr: 2.0e-3}}
+    train: {{groups_per_step: 2, max_staleness: 1000}}
+    runtime: external
+    host: 0.0.0.0
+    advertise: {srv}
+tasks:
+  digits:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+    clients: 0
+    group_size: 4
+    concurrency: 4
+    inference: local
+    sampling: {{max_tokens: 4}}
+"""
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {value!r})")
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    need_netns()
+    with Hosts(["ctl", "srv", "c1", "c2"]) as h:
+        yield h
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JETCTL_TOKEN": ""}
+
+
+def status(hosts: Hosts, run_dir: Path) -> dict[str, Any]:
+    res = hosts.run("ctl", [*JETCTL, "status", "--run-dir", str(run_dir), "--once", "--json"],
+                    env=env(), cwd=ROOT, timeout=30)
+    return json.loads(res.stdout) if res.returncode == 0 else {}
+
+
+def pending(spool: Path) -> int:
+    with sqlite3.connect(f"file:{spool}?mode=ro", uri=True) as db:
+        return int(db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+
+
+@pytest.mark.timeout(600)
+def test_a_run_across_hosts_survives_a_partition_and_balances(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    dirs = {h: tmp_path / h for h in ("ctl", "srv", "c1", "c2")}
+    for d in dirs.values():
+        d.mkdir()
+    run_dir = dirs["ctl"] / "run"
+    recipe = dirs["ctl"] / "recipe.yaml"
+    ctl = hosts.addr("ctl")
+    recipe.write_text(RECIPE.format(token=TOKEN, port=PORT, ctl=ctl, srv=hosts.addr("srv")))
+    join = [f"--join={ctl}:{PORT}", f"--token={TOKEN}", "--tls=tls"]
+
+    controller = hosts.spawn("ctl", [*JETCTL, "up", str(recipe), "--run-dir", str(run_dir)],
+                             log=dirs["ctl"] / "up.log", env=env(), cwd=ROOT)
+    certs = wait_for(lambda: (run_dir / "tls" / "server.key").is_file() and run_dir / "tls",
+                     60, "the run's certificates")
+    # what a user copies to each host: the CA, and the server's own certificate
+    for host, files in (("srv", ("ca.pem", "server.pem", "server.key")),
+                        ("c1", ("ca.pem",)), ("c2", ("ca.pem",))):
+        (dirs[host] / "tls").mkdir()
+        for name in files:
+            shutil.copy(certs / name, dirs[host] / "tls" / name)
+    server = hosts.spawn(
+        "srv", [*JETCTL, "server", *join, "--model=policy", f"--run-dir={dirs['srv']}",
+                f"--tls-dir={dirs['srv'] / 'tls'}"],
+        log=dirs["srv"] / "server.log", env=env(), cwd=ROOT,
+    )
+    clients = {
+        h: hosts.spawn(
+            h, [*JETCTL, "client", *join, "--task=digits", f"--run-dir={dirs[h]}",
+                f"--tls-dir={dirs[h] / 'tls'}", "--drain-grace-s=20"],
+            log=dirs[h] / "client.log", env=env(), cwd=ROOT,
+        )
+        for h in ("c1", "c2")
+    }
+    try:
+        doc = wait_for(
+            lambda: (d := status(hosts, run_dir)) and (d["servers"][0]["version"] or 0) >= 2
+            and len([c for c in d["clients"] if c["state"] == "running"]) == 2 and d,
+            240, "training with both joined nodes",
+        )
+        by_host = {c["address"]: c["name"] for c in doc["clients"]}
+        assert set(by_host) == {hosts.addr("c1"), hosts.addr("c2")}, doc["clients"]
+        assert doc["tasks"]["digits"]["nodes"] == 2, "the controller counts the joined nodes"
+        cut_node = by_host[hosts.addr("c1")]
+        spool = dirs["c1"] / "spool" / f"{cut_node}.sqlite"
+
+        # the partition: c1 reaches neither the server nor the controller for 30 s
+        version_before = doc["servers"][0]["version"]
+        hosts.cut("c1")
+        cut_at = time.monotonic()
+        wait_for(lambda: pending(spool) >= 2, CUT_S - 5, "c1's node spooling while cut off")
+        during = wait_for(
+            lambda: (d := status(hosts, run_dir)) and {
+                c["name"]: c["state"] for c in d["clients"]
+            }.get(cut_node) == "unreachable" and d,
+            CUT_S - 5, "the controller to show c1's node unreachable",
+        )
+        time.sleep(max(0.0, CUT_S - (time.monotonic() - cut_at)))
+        spooled_in_cut = pending(spool)
+        after_cut = status(hosts, run_dir)
+        hosts.heal("c1")
+        assert after_cut["servers"][0]["version"] > version_before, "training went on"
+        assert spooled_in_cut >= 2, "the cut-off node kept rolling out"
+        assert during["servers"][0]["version"] >= version_before
+
+        healed = wait_for(
+            lambda: pending(spool) == 0 and (d := status(hosts, run_dir)) and {
+                c["name"]: c for c in d["clients"]}[cut_node]["state"] == "running" and d,
+            CUT_S, "c1's node to deliver its spool and sync again",
+        )
+        assert {c["name"]: c for c in healed["clients"]}[cut_node]["acks"].get("accepted", 0) > 0
+
+        down = hosts.run("ctl", [*JETCTL, "down", "--run-dir", str(run_dir)], env=env(),
+                         cwd=ROOT, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert controller.wait(timeout=120) == 0
+        for h, proc in clients.items():
+            assert proc.wait(timeout=60) == 0, (dirs[h] / "client.log").read_text()[-3000:]
+        assert server.wait(timeout=60) == 0, (dirs["srv"] / "server.log").read_text()[-3000:]
+    finally:
+        for proc in (controller, server, *clients.values()):
+            if proc.poll() is None:
+                proc.kill()
+
+    # no shared run dir: the controller's holds no spool and no store
+    assert not (run_dir / "spool").exists() and not RunPaths(run_dir).stores()
+    ledger = build_ledger(run_dir)
+    s = ledger.summary()
+    assert s["balanced"], s["problems"]
+    assert s["trained"] > 0 and s["awaiting_reports"] == 0
+    assert sorted(s["nodes"]) == sorted(by_host.values())
+    # the hosts' own files, put side by side, tell the same story
+    view = tmp_path / "view"
+    (view / "spool").mkdir(parents=True)
+    (view / "server-policy").symlink_to(dirs["srv"] / "server-policy")
+    for h in ("c1", "c2"):
+        for f in (dirs[h] / "spool").glob("*.sqlite"):
+            (view / "spool" / f.name).symlink_to(f)
+    assert ledger_from_files(view).summary() == s
+
+
+def test_a_joining_node_is_refused_with_the_reason(hosts: Hosts, tmp_path: Path) -> None:
+    """An unknown task, or a wrong token, is one red line and exit code 1."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    ctl = hosts.addr("ctl")
+    recipe.write_text(RECIPE.format(token=TOKEN, port=PORT, ctl=ctl, srv=hosts.addr("srv"))
+                      .replace("tls: {mode: tls}", "tls: {mode: 'off'}"))
+    controller = hosts.spawn("ctl", [*JETCTL, "up", str(recipe), "--run-dir", str(run_dir)],
+                             log=tmp_path / "up.log", env=env(), cwd=ROOT)
+    try:
+        wait_for(lambda: (run_dir / "run.json").is_file(), 60, "the controller")
+        base = [*JETCTL, "client", f"--join={ctl}:{PORT}", f"--run-dir={tmp_path / 'c1'}"]
+        wrong = hosts.run("c1", [*base, f"--token={TOKEN}", "--task=nope"], env=env(),
+                          cwd=ROOT, timeout=60)
+        assert wrong.returncode == 1 and "task 'nope' is not in the run" in wrong.stderr
+        bad = hosts.run("c1", [*base, "--token=wrong", "--task=digits"], env=env(), cwd=ROOT,
+                        timeout=60)
+        assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
+    finally:
+        controller.terminate()
+        try:
+            controller.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            controller.kill()

@@ -1,0 +1,184 @@
+"""runtime: ray on a Ray cluster of two nodes: the head (with the controller) and a worker, in
+two network namespaces (tests/multihost/netns.py), Ray bound to their addresses only.
+
+The task's client nodes ask for a custom resource only the worker has, so Ray places their
+actors there (one placement group, a bundle per node); the server is an actor too. Training
+runs; a node killed on the worker is restarted by the controller through Ray; a controller
+killed with -9 leaves the actors running, `jetctl up --resume` adopts them, and `jetctl
+down` drains them and removes the actors and placement groups. The ledger, built from what
+the controller received, balances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jetctl.ledger import build_ledger
+from tests.multihost.netns import Hosts, need_netns
+from tests.multihost.test_hosts import JETCTL, ROOT, env, status, wait_for
+
+# Not in CI's default tier yet (marked slow): in its last run the run itself went as it
+# should (both client actors on the worker, training to step 70, the ledger balanced), but
+# the first wait below never saw its condition in `jetctl status --json` and timed out
+# after 300 s; until it passes, runtime: ray is experimental (docs/architecture.md).
+pytestmark = [pytest.mark.integration, pytest.mark.multihost, pytest.mark.slow]
+
+RAY_PORT = 6390
+CONTROL_PORT = 7701
+
+RECIPE = """
+run:
+  name: onray
+  token: ray-test-token-0123456789
+  control: {{host: 0.0.0.0, port: {control_port}}}
+  ray:
+    address: {head}:{ray_port}
+    namespace: jetctl-test-{pid}
+    work_dir: {work}
+    runtime_env: {{env_vars: {{PYTHONPATH: "{root}"}}}}
+  restart_backoff_s: 0.5
+models:
+  policy:
+    model: builtin:tiny
+    finetune: full
+    optimizer: {{lr: 2.0e-3}}
+    train: {{groups_per_step: 2, max_staleness: 8}}
+    runtime: ray
+    host: 0.0.0.0
+    resources: {{cpus: 1}}
+tasks:
+  digits:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+    clients: 2
+    group_size: 4
+    concurrency: 4
+    runtime: ray
+    resources: {{cpus: 0.5, custom: {{jetctl_worker: 1}}}}
+    sampling: {{max_tokens: 4}}
+"""
+
+RAY_STATE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], _node_ip_address=sys.argv[2], logging_level="ERROR")
+ns = sys.argv[3]
+actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+          if a["namespace"] == ns]
+groups = [g["name"] for g in ray.util.placement_group_table().values()
+          if g["name"].startswith(ns + "/") and g["state"] != "REMOVED"]
+print(json.dumps({"actors": sorted(actors), "groups": sorted(groups)}))
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Hosts]:
+    """A Ray head on `head` and a worker (4 x jetctl_worker) on `worker`."""
+    need_netns()
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("ray", reason="pip install 'jetctl[ray]'")
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    short = Path(f"/tmp/jtr{os.getpid()}")  # Ray's socket paths must stay short
+    with Hosts(["head", "worker"]) as hosts:
+        head = hosts.addr("head")
+        common = ["--block", "--disable-usage-stats", "--object-store-memory", "80000000"]
+        ray_env = {**env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        hosts.spawn("head", [ray_bin, "start", "--head", f"--node-ip-address={head}",
+                             f"--port={RAY_PORT}", "--num-cpus=2", "--include-dashboard=false",
+                             f"--temp-dir={short}/h", *common],
+                    log=tmp_path / "ray-head.log", env=ray_env)
+        wait_for(lambda: hosts.run("head", [sys.executable, "-c", (
+            f"import socket; socket.create_connection(('{head}', {RAY_PORT}), 2)")]
+        ).returncode == 0, 120, "the Ray head")
+        hosts.spawn("worker", [ray_bin, "start", f"--address={head}:{RAY_PORT}",
+                               f"--node-ip-address={hosts.addr('worker')}", "--num-cpus=2",
+                               '--resources={"jetctl_worker": 4}', f"--temp-dir={short}/w",
+                               *common],
+                    log=tmp_path / "ray-worker.log", env=ray_env)
+        try:
+            yield hosts
+        finally:
+            hosts.close()
+            import shutil
+
+            shutil.rmtree(short, ignore_errors=True)
+
+
+def ray_state(hosts: Hosts, namespace: str) -> dict[str, Any]:
+    head = hosts.addr("head")
+    res = hosts.run("head", [sys.executable, "-c", RAY_STATE, f"{head}:{RAY_PORT}", head,
+                             namespace], env=env(), timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.timeout(600)
+def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
+    cluster: Hosts, tmp_path: Path
+) -> None:
+    hosts = cluster
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    namespace = f"jetctl-test-{os.getpid()}"
+    recipe.write_text(RECIPE.format(control_port=CONTROL_PORT, head=hosts.addr("head"),
+                                    ray_port=RAY_PORT, pid=os.getpid(),
+                                    work=tmp_path / "raywork", root=ROOT))
+    up = [*JETCTL, "up", str(recipe), "--run-dir", str(run_dir)]
+    controller = hosts.spawn("head", up, log=tmp_path / "up.log", env=env(), cwd=ROOT)
+    try:
+        doc = wait_for(
+            lambda: (d := status(hosts, run_dir)) and (d["servers"][0]["version"] or 0) >= 2
+            and len([c for c in d["clients"] if c["state"] == "running"]) == 2 and d,
+            300, "training on the Ray cluster",
+        )
+        addresses = {c["name"]: c["address"] for c in doc["clients"]}
+        assert set(addresses.values()) == {hosts.addr("worker")}, addresses
+        state = ray_state(hosts, namespace)
+        assert state["actors"] == ["digits-0", "digits-1", "server-policy"], state
+        assert state["groups"] == [f"{namespace}/digits/r0", f"{namespace}/server/policy"]
+
+        # a node killed on the worker: the controller starts it again through Ray
+        victim = next(c for c in doc["clients"] if c["name"] == "digits-0")
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        wait_for(
+            lambda: (d := status(hosts, run_dir)) and any(
+                c["name"] == "digits-0" and c["restarts"] == 1 and c["state"] == "running"
+                and c["pid"] != victim["pid"] for c in d["clients"]),
+            120, "digits-0 restarted on Ray",
+        )
+
+        # the controller dies: the actors live on, a resumed controller adopts them
+        before = {c["name"]: c["pid"] for c in status(hosts, run_dir)["clients"]}
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(timeout=30)
+        assert ray_state(hosts, namespace)["actors"] == state["actors"]
+        controller = hosts.spawn("head", [*up, "--resume"], log=tmp_path / "up2.log",
+                                 env=env(), cwd=ROOT)
+        resumed = wait_for(
+            lambda: (d := status(hosts, run_dir)) and len(
+                [c for c in d["clients"] if c["state"] == "running"]) == 2 and d,
+            180, "the resumed controller with the adopted actors",
+        )
+        assert {c["name"]: c["pid"] for c in resumed["clients"]} == before, "adopted, not restarted"
+
+        down = hosts.run("head", [*JETCTL, "down", "--run-dir", str(run_dir)], env=env(),
+                         cwd=ROOT, timeout=180)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert controller.wait(timeout=120) == 0
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+    assert ray_state(hosts, namespace) == {"actors": [], "groups": []}, "down removed them"
+    s = build_ledger(run_dir).summary()
+    assert s["balanced"] and s["trained"] > 0 and s["awaiting_reports"] == 0, s
+    # the nodes' spools stayed in their Ray host's work dir, not in the run dir
+    assert not (run_dir / "spool").exists()
+    assert sorted(p.name for p in (tmp_path / "raywork" / namespace / "spool").glob("*.sqlite"))
