@@ -164,6 +164,11 @@ class TrainConfig(_Strict):
     max_steps: int | None = Field(
         default=None, ge=1, description="stop training after this many steps (null: no limit)"
     )
+    mix: dict[str, float] = Field(
+        default={},
+        description="PLANNED, refused today: task -> share of each batch (mixing ratios). A "
+        "server's batches take groups in the order they arrive, whatever their task",
+    )
 
 
 class CheckpointConfig(_Strict):
@@ -353,6 +358,16 @@ class ModelConfig(_Strict):
                     self.resources.model_dump(exclude_defaults=True),
                     f"only applies to runtime: ray (this server runs as {self.runtime}, which "
                     "reserves nothing): remove it or set runtime: ray",
+                )
+            )
+        if self.train.mix:
+            problems.append(
+                Problem(
+                    ("train", "mix"),
+                    self.train.mix,
+                    "mixing ratios are planned, not built: a server's batches take groups in "
+                    "the order they arrive, whatever their task; remove mix: (to give a task a "
+                    "larger share today, give it more clients or a larger concurrency)",
                 )
             )
         if self.port and self.port == self.metrics_port:

@@ -287,6 +287,12 @@ def train_algorithm(_: Path) -> None:
     refused("must be one of 'grpo'", models={"policy": {"train": {"algorithm": "rloo"}}})
 
 
+def train_mix(_: Path) -> None:
+    assert recipe().models["policy"].train.mix == {}
+    refused('models.policy.train.mix = {"digits": 1.0}: mixing ratios are planned, not built',
+            models={"policy": {"train": {"mix": {"digits": 1.0}}}})
+
+
 def train_groups_per_step(tmp_path: Path) -> None:
     from tests.server.trainer_support import step, submit
 
@@ -601,6 +607,7 @@ ROWS: dict[str, Row] = {
     "models.<name>.train.merge": Effect(train_merge),
     "models.<name>.train.max_tokens_per_microbatch": Effect(train_max_tokens_per_microbatch),
     "models.<name>.train.max_steps": Effect(train_max_steps),
+    "models.<name>.train.mix": Effect(train_mix),
     "models.<name>.checkpoint.every_steps": CoveredBy(
         (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
     "models.<name>.checkpoint.keep": CoveredBy(
