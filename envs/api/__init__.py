@@ -25,8 +25,8 @@ Levels (`level`, envs/levels.py):
   right integer, else 0.0.
 * `easy`: fetch one named resource ("Fetch the orders of user u105 from the API.": an
   order, a user, or a user's orders, with the endpoints listed in the system message), one
-  `get(path)` call, after a prior exchange (fetching another user's orders, and the get call
-  that does it). Task score, from the service's own record of what it served: 1.0 if it answered
+  `get(path)` call, after a prior exchange (fetching another order, and the get call that
+  does it). Task score, from the service's own record of what it served: 1.0 if it answered
   200 to a GET of the resource's path; reward 0.2 for a well-formed get + 0.8 * that. The
   credential and the rate limit are the same as at the hard level.
 

@@ -37,7 +37,7 @@ EASY_PROMPT = "Fetch {what} from the API. Call get."
 EASY_KINDS = ("order", "user", "user_orders")
 TOOLS_BY_LEVEL: dict[Level, tuple[str, ...]] = {"easy": ("get",), "hard": ("http",)}
 MAX_STEPS_BY_LEVEL: dict[Level, int] = {"easy": 1, "hard": 16}
-EXAMPLE_ORDER = 0  # index into the dataset's orders: its user is the example, never asked
+EXAMPLE_ORDER = 0  # index into the dataset's orders; never asked as an easy task
 METHODS = ("GET", "POST")
 GUIDE = (
     "Use the http tool on the shop's REST API (JSON; credentials are added for you). "
@@ -265,8 +265,8 @@ class ApiEnv:
 
     def easy_task(self, kind: str, order: Order) -> Task:
         """Fetch one resource: the order, its user, or its user's orders."""
-        if order.user_id == self.data.orders[EXAMPLE_ORDER].user_id:
-            raise ValueError(f"user {order.user_id} is the easy level's example, never a task")
+        if order == self.data.orders[EXAMPLE_ORDER]:
+            raise ValueError(f"order {order.id} is the easy level's example, never a task")
         what, path = {
             "order": (f"order {order.id}", f"/v1/orders/{order.id}"),
             "user": (f"user {order.user_id}", f"/v1/users/{order.user_id}"),
@@ -280,21 +280,16 @@ class ApiEnv:
         )
 
     def example(self) -> tuple[dict[str, Any], ...]:
-        """The easy level's prior exchange: fetch a user's orders, and the call that does it.
-
-        The nested path, not a plain `/v1/orders/<id>`: shown an order fetch, SmolLM2-135M
-        wrote `/v1/orders/<user id>` for every "orders of user" task (16 of 16 samples, no
-        signal to learn from); shown the nested one, each kind is a small edit of it."""
-        user = self.data.orders[EXAMPLE_ORDER].user_id
+        """The easy level's prior exchange: fetch an order, and the call that does it."""
+        order = self.data.orders[EXAMPLE_ORDER]
         return (
-            {"role": "user", "content": EASY_PROMPT.format(what=f"the orders of user {user}")},
-            example_call("get", path=f"/v1/users/{user}/orders"),
+            {"role": "user", "content": EASY_PROMPT.format(what=f"order {order.id}")},
+            example_call("get", path=f"/v1/orders/{order.id}"),
         )
 
     def tasks(self, rng: random.Random) -> Iterator[Task]:
         if self.level == "easy":
-            example_user = self.data.orders[EXAMPLE_ORDER].user_id
-            orders = [o for o in self.data.orders if o.user_id != example_user]
+            orders = [o for i, o in enumerate(self.data.orders) if i != EXAMPLE_ORDER]
             while True:
                 yield self.easy_task(rng.choice(EASY_KINDS), rng.choice(orders))
         while True:

@@ -79,12 +79,8 @@ def test_easy_tasks_never_ask_their_example_and_hard_tasks_are_unchanged() -> No
     code = code_env(level="easy")
     assert all(t.data["problem"] != EASY_EXAMPLE.id for t in code.all_tasks())
     api = api_env(level="easy")
-    example_user = api.data.orders[0].user_id
-    assert example_user in api.example()[0]["content"]
-    tasks = [t for _, t in zip(range(200), api.tasks(rng))]
-    user_of = {f"/v1/orders/{o.id}": o.user_id for o in api.data.orders}
-    asked = {user_of.get(t.data["path"], t.data["path"].split("/")[3]) for t in tasks}
-    assert example_user not in asked and len(asked) > 5
+    first = api.data.orders[0].id
+    assert all(first not in t.prompt for _, t in zip(range(200), api.tasks(rng)))
     # the hard level's task stream is the one it always was
     ids = [t.id for _, t in zip(range(6), web_env().tasks(random.Random(1)))]
     assert ids == [t.id for _, t in zip(range(6), web_env(level="hard").tasks(random.Random(1)))]
@@ -233,8 +229,7 @@ def test_api_easy_scores_the_resource_the_service_served() -> None:
                 agent(task, ep.llm, session)
             assert session.reward() == pytest.approx(1.0), kind
             assert "Bearer" not in ep.prompts[0] and env.api_key.reveal() not in ep.prompts[0]
-            example = f'"path": "/v1/users/{env.data.orders[0].user_id}/orders"'
-            assert example in ep.prompts[0]
+            assert f'"path": "/v1/orders/{env.data.orders[0].id}"' in ep.prompts[0]  # example
         finally:
             session.close()
     # a well-formed call for another resource: form credit; a 404 path: the same
