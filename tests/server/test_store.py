@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.ledger import Ledger, LedgerError, build_ledger
+from jetctl.ledger import Ledger, LedgerError, ledger_from_files
 from jetctl.proto.convert import group_to_pb
 from jetctl.server.store import GroupCodec, GroupFacts, PutResult, TrajectoryStore
 from tests.factories import make_group
@@ -191,7 +191,7 @@ def build_ledger_of_store(path: Path) -> Ledger:
     target = run_dir / "server-policy" / "store.sqlite"
     target.unlink(missing_ok=True)
     target.symlink_to(path)
-    return build_ledger(run_dir)
+    return ledger_from_files(run_dir)
 
 
 def test_the_buffer_keeps_the_bytes_as_received_and_decodes_on_first_use(
