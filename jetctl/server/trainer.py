@@ -386,6 +386,7 @@ class Trainer:
                 "reward/trained_mean": sum(rewards) / len(rewards),
                 "frac_reward_zero_std": (zero_std + len(skipped)) / (len(batch) + len(skipped)),
                 "groups/skipped": float(len(skipped)),
+                "trajectories/skipped": float(sum(len(s.group.trajectories) for s in skipped)),
                 "signal/no_signal_recent": no_signal,
                 "signal/collapsed": float(signal == "collapsed"),
                 "groups": float(len(batch)),

@@ -151,6 +151,7 @@ def test_a_run_across_hosts_survives_a_partition_and_balances(
 
         # the partition: c1 reaches neither the server nor the controller for 30 s
         version_before = doc["servers"][0]["version"]
+        trained_before = doc["servers"][0]["trained_groups"]
         hosts.cut("c1")
         cut_at = time.monotonic()
         wait_for(lambda: pending(spool) >= 2, CUT_S - 5, "c1's node spooling while cut off")
@@ -164,7 +165,9 @@ def test_a_run_across_hosts_survives_a_partition_and_balances(
         spooled_in_cut = pending(spool)
         after_cut = status(hosts, run_dir)
         hosts.heal("c1")
-        assert after_cut["servers"][0]["version"] > version_before, "training went on"
+        # the trainer kept consuming the other host's groups (a group without signal is
+        # consumed without an optimizer step, so the version alone may stand still)
+        assert after_cut["servers"][0]["trained_groups"] > trained_before, "training went on"
         assert spooled_in_cut >= 2, "the cut-off node kept rolling out"
         assert during["servers"][0]["version"] >= version_before
 
