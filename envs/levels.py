@@ -29,13 +29,32 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TextIO
+from typing import Any, ClassVar, Literal, TextIO
 
 Level = Literal["easy", "hard"]
 LEVELS: tuple[Level, ...] = ("easy", "hard")
 WELL_FORMED_WEIGHT = 0.2  # the share of an easy reward that well-formed actions earn
 RESULT_CHARS = 300  # of each action's result kept in the action log
+
+
+class LevelledSession:
+    """`tool_names` and `max_steps` of an env's session, from its env's tables per level."""
+
+    level: Level
+    tools_by_level: ClassVar[Mapping[Level, tuple[str, ...]]]
+    max_steps_by_level: ClassVar[Mapping[Level, int]]
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        """The tools this level offers the agent."""
+        return self.tools_by_level[self.level]
+
+    @property
+    def max_steps(self) -> int:
+        """Model calls the agent may make."""
+        return self.max_steps_by_level[self.level]
 
 
 def check_level(level: str) -> Level:

@@ -24,7 +24,14 @@ from envs.api.service import (
     User,
     make_dataset,
 )
-from envs.levels import ActionLog, Level, check_level, easy_reward, example_call
+from envs.levels import (
+    ActionLog,
+    Level,
+    LevelledSession,
+    check_level,
+    easy_reward,
+    example_call,
+)
 from jetctl.env import Task
 
 TASK_KINDS = ("shipped_total", "units")
@@ -61,8 +68,11 @@ class HttpReply:
 
 
 @dataclass
-class ApiSession:
+class ApiSession(LevelledSession):
     """One rollout: its own service (own rate-limit bucket and answers); `http()` calls it."""
+
+    tools_by_level = TOOLS_BY_LEVEL
+    max_steps_by_level = MAX_STEPS_BY_LEVEL
 
     task: Task
     server: ApiServer
@@ -78,16 +88,6 @@ class ApiSession:
 
     def __post_init__(self) -> None:
         self.actions = ActionLog("api", self.level, self.task.id)
-
-    @property
-    def tool_names(self) -> tuple[str, ...]:
-        """The tools this level offers the agent."""
-        return TOOLS_BY_LEVEL[self.level]
-
-    @property
-    def max_steps(self) -> int:
-        """Model calls the agent may make."""
-        return MAX_STEPS_BY_LEVEL[self.level]
 
     def opening(self) -> list[dict[str, Any]]:
         """The conversation the agent starts from (easy: after the prior exchange)."""

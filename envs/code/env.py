@@ -12,7 +12,14 @@ from typing import Any, Literal
 
 from envs.code.problems import EASY_EXAMPLE, EASY_PROBLEMS, PROBLEMS, Problem
 from envs.code.sandbox import DEFAULT_IMAGE, Limits, RunResult, Sandbox, make_sandbox
-from envs.levels import ActionLog, Level, check_level, easy_reward, example_call
+from envs.levels import (
+    ActionLog,
+    Level,
+    LevelledSession,
+    check_level,
+    easy_reward,
+    example_call,
+)
 from jetctl.env import Task
 
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
@@ -97,8 +104,11 @@ def format_run(run: RunResult) -> str:
 
 
 @dataclass
-class CodeSession:
+class CodeSession(LevelledSession):
     """One rollout: `run_python(code)` to try code, `submit(code)` once to be graded."""
+
+    tools_by_level = TOOLS_BY_LEVEL
+    max_steps_by_level = MAX_STEPS_BY_LEVEL
 
     task: Task
     sandbox: Sandbox
@@ -120,16 +130,6 @@ class CodeSession:
     @property
     def done(self) -> bool:
         return self.graded is not None
-
-    @property
-    def tool_names(self) -> tuple[str, ...]:
-        """The tools this level offers the agent."""
-        return TOOLS_BY_LEVEL[self.level]
-
-    @property
-    def max_steps(self) -> int:
-        """Model calls the agent may make."""
-        return MAX_STEPS_BY_LEVEL[self.level]
 
     def opening(self) -> list[dict[str, Any]]:
         """The conversation the agent starts from (easy: after the prior exchange)."""

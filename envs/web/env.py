@@ -7,7 +7,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.levels import ActionLog, Level, check_level, easy_reward, example_call
+from envs.levels import (
+    ActionLog,
+    Level,
+    LevelledSession,
+    check_level,
+    easy_reward,
+    example_call,
+)
 from envs.web.browser import Browser, WebToolError
 from envs.web.site import NOUNS, PAGE_SIZE, Product, Shop, ShopServer, make_catalog, page_of
 from jetctl.env import Task
@@ -42,8 +49,11 @@ def start_page(catalog: list[Product], product: Product) -> str:
 
 
 @dataclass
-class WebSession:
+class WebSession(LevelledSession):
     """One rollout: its own shop server and (on first use) its own headless browser."""
+
+    tools_by_level = TOOLS_BY_LEVEL
+    max_steps_by_level = MAX_STEPS_BY_LEVEL
 
     task: Task
     server: ShopServer
@@ -67,16 +77,6 @@ class WebSession:
         if self._browser is None:
             self._browser = Browser(self.server.base_url, max_chars=self.max_chars)
         return self._browser
-
-    @property
-    def tool_names(self) -> tuple[str, ...]:
-        """The tools this level offers the agent."""
-        return TOOLS_BY_LEVEL[self.level]
-
-    @property
-    def max_steps(self) -> int:
-        """Model calls the agent may make."""
-        return MAX_STEPS_BY_LEVEL[self.level]
 
     def opening(self) -> list[dict[str, Any]]:
         """The conversation the agent starts from. Easy: the browser opens the task's start
