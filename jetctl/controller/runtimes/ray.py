@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,37 +227,33 @@ class RayRuntime(Runtime):
 
     def list(self, run: str = "") -> builtins.list[NodeHandle]:
         """The run's actors whose node still runs (to adopt after a controller restart)."""
-        ray = self._ray
         out: builtins.list[NodeHandle] = []
+        for _name, info in self._infos():
+            if info["running"]:
+                out.append(NodeHandle(spec=_spec_from(info["spec"]), runtime="ray",
+                                      adopted=True, started_at=float(info["started_at"])))
+        return out
+
+    def _infos(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(name, info) of each of the run's actors that answers within CALL_TIMEOUT_S."""
+        ray = self._ray
         for name in self._names():
             actor = self._actor(name)
             if actor is None:
                 continue
             try:
-                info = ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+                yield name, ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
                 continue
-            if info["running"]:
-                out.append(NodeHandle(spec=_spec_from(info["spec"]), runtime="ray",
-                                      adopted=True, started_at=float(info["started_at"])))
-        return out
 
     def release(self, handle: NodeHandle) -> None:
         self._remove_actor(handle.spec.name)
 
     def prune(self, run: str = "") -> int:
         """Remove exited actors, and placement groups no live actor uses."""
-        ray = self._ray
         live_groups: set[str] = set()
         removed = 0
-        for name in self._names():
-            actor = self._actor(name)
-            if actor is None:
-                continue
-            try:
-                info = ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-                continue
+        for name, info in self._infos():
             if info["running"] or not info["started_at"]:
                 live_groups.add(info["spec"]["placement"]["group"])
             else:
