@@ -12,7 +12,7 @@ functions. A rollout runs in its own process group, so a timeout kills it whole.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,11 +28,16 @@ class Task:
 
 @dataclass(frozen=True)
 class LLM:
-    """Where the agent reaches the model: an OpenAI-compatible endpoint on the client node."""
+    """Where the agent reaches the model: an OpenAI-compatible endpoint on the client node.
+
+    `model` is the name to pass as `model=`. In a team task (`roles:` in the recipe) the
+    agent names a role instead, one of `roles` (`model` is then the first of them); each
+    role's calls train that role's model."""
 
     base_url: str
     model: str
     api_key: str = "jetctl"
+    roles: tuple[str, ...] = ()  # a team task's role names; () for a task with one model
 
     def client(self) -> Any:
         """An `openai.OpenAI` client bound to this endpoint."""
@@ -63,8 +68,11 @@ class LLM:
 class Session(Protocol):
     """One rollout's view of the environment. Env-specific tools are extra methods."""
 
-    def reward(self) -> float:
-        """Score of the session so far, checked by code (called once the agent returns)."""
+    def reward(self) -> float | Mapping[str, float]:
+        """Score of the session so far, checked by code (called once the agent returns).
+
+        A team task's session may score each role on its own: a mapping role -> reward
+        (every role that made calls needs one); a number is every role's reward."""
         ...
 
     def close(self) -> None:

@@ -42,10 +42,12 @@ class Tracked:
 
 # what jetctl.ledger reads of a client node's spool (jetctl.client.spool) ...
 SPOOL_TABLES: Mapping[str, Tracked] = {
-    "inflight": Tracked("trajectory_id", ("group_id",)),
-    "pending": Tracked("id", ("n_trajectories", "trajectory_ids")),
-    "outcomes": Tracked("group_id", ("n_trajectories", "outcome", "reason", "trajectory_ids")),
-    "dropped": Tracked("trajectory_id", ("reason",)),
+    "inflight": Tracked("trajectory_id", ("group_id", "model")),
+    "pending": Tracked("id", ("n_trajectories", "trajectory_ids", "model")),
+    "outcomes": Tracked(
+        "group_id", ("n_trajectories", "outcome", "reason", "trajectory_ids", "model")
+    ),
+    "dropped": Tracked("trajectory_id", ("reason", "model")),
 }
 # ... and of a server's store (jetctl.server.store)
 STORE_TABLES: Mapping[str, Tracked] = {

@@ -40,6 +40,10 @@ A group a server holds while the client still has it pending (its ack was lost, 
 client will resend it and hear DUPLICATE) counts once, by the server's state. Ids only a
 server knows (its client's spool is gone) are counted under `server_only`.
 
+Every id also counts under its model (`by_model`: a server's row names it, and every spool
+row names the model its group is for), so the books of each model of a team balance on their
+own: a rollout of a two-model team makes one id per model, each with its own outcome.
+
 Left out: the per-group `max_staleness` arithmetic (the server's reason is taken as given).
 """
 
@@ -64,6 +68,7 @@ class Problem:
     kind: ProblemKind
     trajectory_id: str
     detail: str
+    model: str = ""  # the model the id was made for ('' when no record names it)
 
 
 class LedgerError(ValueError):
@@ -88,6 +93,10 @@ class _ClientFact:
     detail: str = ""  # outcome (accepted | duplicate | stale | invalid | revision) or drop reason
     reason: str = ""
     behind: bool = False  # its node has not sent every record yet (a live node)
+    model: str = ""  # the model its group is for ('' in spools written before teams)
+
+
+Bucket = Literal["trained", "rejected", "dropped", "in_flight", "awaiting_reports"]
 
 
 @dataclass
@@ -104,6 +113,22 @@ class Ledger:
     problems: list[Problem] = field(default_factory=list)
     servers: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> epochs, version
     nodes: list[str] = field(default_factory=list)
+    # model -> (bucket, reason) -> trajectories: the same outcomes, per model
+    by_model: dict[str, Counter[tuple[str, str]]] = field(default_factory=dict)
+
+    def tally(self, model: str, bucket: Bucket, key: str = "") -> None:
+        """Count one id's outcome, in the totals and under its model."""
+        if bucket == "trained":
+            self.trained += 1
+        elif bucket == "awaiting_reports":
+            self.awaiting_reports += 1
+        else:
+            getattr(self, bucket)[key] += 1
+        self.by_model.setdefault(model, Counter())[(bucket, key)] += 1
+
+    def problem(self, kind: ProblemKind, tid: str, detail: str, model: str) -> None:
+        self.problems.append(Problem(kind, tid, detail, model))
+        self.by_model.setdefault(model, Counter())
 
     @property
     def produced(self) -> int:
@@ -142,6 +167,28 @@ class Ledger:
             ],
             "servers": self.servers,
             "nodes": self.nodes,
+            "by_model": {m: self.model_summary(m) for m in sorted(self.by_model)},
+        }
+
+    def model_summary(self, model: str) -> dict[str, Any]:
+        """One model's books: its ids' outcomes, and whether they balance on their own."""
+        counts = self.by_model.get(model, Counter())
+
+        def bucket(name: str) -> dict[str, int]:
+            return dict(sorted((k, n) for (b, k), n in counts.items() if b == name))
+
+        problems = [p for p in self.problems if p.model == model]
+        lost = sum(1 for p in problems if p.kind == "lost")
+        return {
+            "produced": sum(counts.values()) + lost,
+            "trained": counts.get(("trained", ""), 0),
+            "rejected": bucket("rejected"),
+            "dropped": bucket("dropped"),
+            "in_flight": bucket("in_flight"),
+            "awaiting_reports": counts.get(("awaiting_reports", ""), 0),
+            "lost": lost,
+            "problems": len(problems),
+            "balanced": not problems,
         }
 
     def render(self) -> str:
@@ -165,6 +212,14 @@ class Ledger:
             lines.append(
                 f"server {model}: {len(epochs)} start(s), resumed from versions {resumed}"
             )
+        if len(s["by_model"]) > 1:  # a team: each model's books on their own line
+            for model, b in s["by_model"].items():
+                lines.append(
+                    f"model {model or '?'}: produced {b['produced']}, trained {b['trained']}, "
+                    f"rejected {sum(b['rejected'].values())}, dropped "
+                    f"{sum(b['dropped'].values())}, in flight {sum(b['in_flight'].values())}, "
+                    f"lost {b['lost']}: {'balanced' if b['balanced'] else 'NOT BALANCED'}"
+                )
         lines += [f"  {p}" for p in s["problems"]]
         lines.append("BALANCED: every id has exactly one outcome or is in flight"
                      if self.balanced else "NOT BALANCED")
@@ -200,10 +255,11 @@ def _store_rows(
         kept = surviving.get(gid, [])
         if len(kept) > 1:
             for tid in _ids(joined, gid, n):
-                ledger.problems.append(Problem(
+                ledger.problem(
                     "trained_twice", tid,
                     f"group {gid} on {model} trained at steps {kept} of the surviving history",
-                ))
+                    model,
+                )
         if state == "trained" and log and not kept:
             # marked trained only at steps a restart discarded: its gradient is gone
             state, reason = "lost_history", f"trained at step {step} which a restart discarded"
@@ -231,10 +287,13 @@ def _surviving_steps(
 
 @dataclass
 class _SpoolFacts:
-    inflight: list[tuple[str, str]] = field(default_factory=list)  # trajectory id, group id
-    pending: list[tuple[str, int, str]] = field(default_factory=list)  # group, n, ids
-    outcomes: list[tuple[str, int, str, str, str]] = field(default_factory=list)  # + outcome, reason
-    dropped: list[tuple[str, str]] = field(default_factory=list)  # trajectory id, reason
+    # each row ends with the model its group is for ('' in spools written before teams)
+    inflight: list[tuple[str, str, str]] = field(default_factory=list)  # trajectory, group id
+    pending: list[tuple[str, int, str, str]] = field(default_factory=list)  # group, n, ids
+    outcomes: list[tuple[str, int, str, str, str, str]] = field(
+        default_factory=list
+    )  # group, n, outcome, reason, ids
+    dropped: list[tuple[str, str, str]] = field(default_factory=list)  # trajectory id, reason
 
 
 def _spool_facts(node: str, spool: _SpoolFacts, behind: bool) -> dict[str, list[_ClientFact]]:
@@ -243,16 +302,16 @@ def _spool_facts(node: str, spool: _SpoolFacts, behind: bool) -> dict[str, list[
     def add(tid: str, fact: _ClientFact) -> None:
         by_id.setdefault(tid, []).append(fact)
 
-    for tid, gid in spool.inflight:
-        add(tid, _ClientFact(node, gid, "rollout", behind=behind))
-    for gid, n, joined in spool.pending:
+    for tid, gid, model in spool.inflight:
+        add(tid, _ClientFact(node, gid, "rollout", behind=behind, model=model))
+    for gid, n, joined, model in spool.pending:
         for tid in _ids(joined, gid, n):
-            add(tid, _ClientFact(node, gid, "pending", behind=behind))
-    for gid, n, outcome, reason, joined in spool.outcomes:
+            add(tid, _ClientFact(node, gid, "pending", behind=behind, model=model))
+    for gid, n, outcome, reason, joined, model in spool.outcomes:
         for tid in _ids(joined, gid, n):
-            add(tid, _ClientFact(node, gid, "outcome", outcome, reason, behind=behind))
-    for tid, reason in spool.dropped:
-        add(tid, _ClientFact(node, "", "dropped", reason, behind=behind))
+            add(tid, _ClientFact(node, gid, "outcome", outcome, reason, behind, model))
+    for tid, reason, model in spool.dropped:
+        add(tid, _ClientFact(node, "", "dropped", reason, behind=behind, model=model))
     return by_id
 
 
@@ -291,13 +350,15 @@ def build_ledger(run_dir: Path) -> Ledger:
     for j in sorted(clients.values(), key=lambda j: j.name):
         t = j.tables
         spool = _SpoolFacts(
-            inflight=[(k, str(r["group_id"])) for k, r in (t.get("inflight") or {}).items()],
-            pending=[(k, int(r["n_trajectories"]), str(r.get("trajectory_ids") or ""))
+            inflight=[(k, str(r["group_id"]), _model(r))
+                      for k, r in (t.get("inflight") or {}).items()],
+            pending=[(k, int(r["n_trajectories"]), str(r.get("trajectory_ids") or ""), _model(r))
                      for k, r in (t.get("pending") or {}).items()],
             outcomes=[(k, int(r["n_trajectories"]), str(r["outcome"]), str(r["reason"]),
-                       str(r.get("trajectory_ids") or ""))
+                       str(r.get("trajectory_ids") or ""), _model(r))
                       for k, r in (t.get("outcomes") or {}).items()],
-            dropped=[(k, str(r["reason"])) for k, r in (t.get("dropped") or {}).items()],
+            dropped=[(k, str(r["reason"]), _model(r))
+                     for k, r in (t.get("dropped") or {}).items()],
         )
         ledger.nodes.append(j.name)
         for tid, facts in _spool_facts(j.name, spool, behind=not j.final).items():
@@ -306,6 +367,11 @@ def build_ledger(run_dir: Path) -> Ledger:
     for tid in server.keys() | client.keys():
         _classify(tid, server.get(tid, []), client.get(tid, []), ledger, servers_behind)
     return ledger
+
+
+def _model(row: dict[str, Any]) -> str:
+    """The model a spool row's group is for ('' from a node that predates teams)."""
+    return str(row.get("model") or "")
 
 
 # -- from the files themselves (one host: tests, a run dir copied whole) ------------------
@@ -353,17 +419,24 @@ def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_Serve
 def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
     spool = _SpoolFacts()
     with _read_only(path) as db:
+        def col(table: str, name: str) -> str:  # a column older spools lack reads as ''
+            return name if name in _columns(db, table) else "''"
+
         if "inflight" in _tables(db):
-            spool.inflight = db.execute("SELECT trajectory_id, group_id FROM inflight").fetchall()
-        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "pending") else "''"
+            spool.inflight = db.execute(
+                f"SELECT trajectory_id, group_id, {col('inflight', 'model')} FROM inflight"
+            ).fetchall()
         spool.pending = db.execute(
-            f"SELECT id, n_trajectories, {ids_col} FROM pending"
+            f"SELECT id, n_trajectories, {col('pending', 'trajectory_ids')},"
+            f" {col('pending', 'model')} FROM pending"
         ).fetchall()
-        ids_col = "trajectory_ids" if "trajectory_ids" in _columns(db, "outcomes") else "''"
         spool.outcomes = db.execute(
-            f"SELECT group_id, n_trajectories, outcome, reason, {ids_col} FROM outcomes"
+            f"SELECT group_id, n_trajectories, outcome, reason,"
+            f" {col('outcomes', 'trajectory_ids')}, {col('outcomes', 'model')} FROM outcomes"
         ).fetchall()
-        spool.dropped = db.execute("SELECT trajectory_id, reason FROM dropped").fetchall()
+        spool.dropped = db.execute(
+            f"SELECT trajectory_id, reason, {col('dropped', 'model')} FROM dropped"
+        ).fetchall()
     return _spool_facts(node, spool, behind=False)
 
 
@@ -397,51 +470,55 @@ def _classify(
     """One id's outcome. `servers_behind`: some server's records are still to come (a live
     run), so what only their next records could settle awaits them instead of being a
     problem; a client fact that is `behind` likewise (its node has not sent everything)."""
+    # the model it was made for: a server's row names it; else the spool's ('' if old)
+    model = rows[0].model if rows else next((f.model for f in facts if f.model), "")
     if len(rows) > 1:
         trained = [r for r in rows if r.state == "trained"]
         kind: ProblemKind = "trained_twice" if len(trained) > 1 else "conflict"
         where = ", ".join(f"{r.model}/{r.group_id} ({r.state})" for r in rows)
-        ledger.problems.append(Problem(kind, tid, f"in {len(rows)} server groups: {where}"))
+        ledger.problem(kind, tid, f"in {len(rows)} server groups: {where}", model)
     if rows:
         row = rows[0]
         for f in facts:
             if f.kind == "rollout" and f.behind:
                 continue  # the node's records of its later state are still to come
             if f.kind in ("rollout", "dropped") or (f.kind == "outcome" and f.detail == "invalid"):
-                ledger.problems.append(Problem(
+                ledger.problem(
                     "conflict", tid,
                     f"{row.model} holds it ({row.state}) but {f.node} has it {f.kind} {f.detail}",
-                ))
+                    model,
+                )
         if not facts:
             ledger.server_only += 1
         elif all(f.kind == "pending" for f in facts):
             ledger.resent_after_lost_ack += 1
         if row.state == "trained":
-            ledger.trained += 1
+            ledger.tally(model, "trained")
         elif row.state == "rejected":
-            ledger.rejected[row.refusal] += 1
+            ledger.tally(model, "rejected", row.refusal)
         elif row.state == "buffered":
-            ledger.in_flight["server_buffer"] += 1
+            ledger.tally(model, "in_flight", "server_buffer")
         elif servers_behind:
-            ledger.awaiting_reports += 1
+            ledger.tally(model, "awaiting_reports")
         else:
-            ledger.problems.append(Problem("lost", tid, f"{row.model}: {row.detail}"))
+            ledger.problem("lost", tid, f"{row.model}: {row.detail}", model)
         return
     if len(facts) > 1:
         where = ", ".join(f"{f.node}:{f.kind} {f.detail}".strip() for f in facts)
-        ledger.problems.append(Problem("conflict", tid, f"in {len(facts)} places: {where}"))
+        ledger.problem("conflict", tid, f"in {len(facts)} places: {where}", model)
     f = facts[0]
     if f.kind == "rollout":
-        ledger.in_flight["rollout"] += 1
+        ledger.tally(model, "in_flight", "rollout")
     elif f.kind == "pending":
-        ledger.in_flight["client_spool"] += 1
+        ledger.tally(model, "in_flight", "client_spool")
     elif f.kind == "dropped":
-        ledger.dropped[f.detail] += 1
+        ledger.tally(model, "dropped", f.detail)
     elif f.detail in ("accepted", "duplicate") and servers_behind:
-        ledger.awaiting_reports += 1  # acked; the server's record of it is still to come
+        ledger.tally(model, "awaiting_reports")  # acked; the server's record is still to come
     elif f.detail in ("accepted", "duplicate"):
-        ledger.problems.append(Problem(
+        ledger.problem(
             "lost", tid, f"{f.node} holds ack {f.detail} for group {f.group_id}; no server has it",
-        ))
+            model,
+        )
     else:
-        ledger.rejected[f.detail] += 1
+        ledger.tally(model, "rejected", f.detail)

@@ -45,6 +45,16 @@ from pydantic_core import PydanticUndefined
 # --------------------------------------------------------------------------- schema
 
 
+class _Missing:
+    """The value of a Problem about a key that is not there (shown without a value)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
 class Problem(NamedTuple):
     """One cross-field problem found by a validator; `loc` is relative to its model."""
 
@@ -397,6 +407,8 @@ class SamplingConfig(_Strict):
 
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
+_ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_ROLE = "default"  # the role of every call of a task without roles:
 
 
 class ResourcesConfig(_Strict):
@@ -435,7 +447,17 @@ class ResourcesConfig(_Strict):
 class TaskConfig(_Strict):
     env: str = Field(description="module:factory of the environment, e.g. envs.arithmetic:make_env")
     agent: str = Field(description="module:function of the agent, e.g. agents.arithmetic:agent")
-    model: str = Field(description="the key under models: that trains on this task")
+    model: str | None = Field(
+        default=None,
+        description="the key under models: that trains on this task (a team task names its "
+        "models under roles: instead)",
+    )
+    roles: dict[str, str] = Field(
+        default={},
+        description="a team: agent role -> key under models:. The agent picks a role with the "
+        "`model` field of its OpenAI call; each role's calls train that role's model, with the "
+        "role's reward ({}: no team, one model)",
+    )
     env_args: dict[str, object] = Field(
         default={}, description="keyword arguments of the env factory"
     )
@@ -485,6 +507,30 @@ class TaskConfig(_Strict):
     )
     seed: int = Field(default=0, description="seed of task sampling")
 
+    @property
+    def role_models(self) -> dict[str, str]:
+        """Role -> model key. A task without `roles:` has one role, `default`, on `model`."""
+        if self.roles:
+            return dict(self.roles)
+        assert self.model is not None  # the validator requires model or roles
+        return {DEFAULT_ROLE: self.model}
+
+    @property
+    def models(self) -> list[str]:
+        """The distinct model keys this task trains, in recipe order."""
+        return list(dict.fromkeys(self.role_models.values()))
+
+    @field_validator("roles")
+    @classmethod
+    def _role_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [role for role in value if not _ROLE_NAME.match(role)]
+        if bad:
+            raise ValueError(
+                f"role name {bad[0]!r} must be 1-64 letters, digits, '_', '.' or '-', starting "
+                "with a letter or digit (the agent sends it as the model name)"
+            )
+        return value
+
     @field_validator("env", "agent")
     @classmethod
     def _entry_point(cls, value: str) -> str:
@@ -498,6 +544,33 @@ class TaskConfig(_Strict):
     @model_validator(mode="after")
     def _group_fits(self) -> TaskConfig:
         problems = []
+        if self.model is None and not self.roles:
+            problems.append(
+                Problem(
+                    ("model",),
+                    MISSING,
+                    "required key is missing: name the key under models: that trains on this task, or give "
+                    "roles: (role: model key) for a team of models",
+                )
+            )
+        if self.model is not None and self.roles:
+            problems.append(
+                Problem(
+                    ("model",),
+                    self.model,
+                    "a team task names its models under roles: (here "
+                    f"{', '.join(f'{r}: {m}' for r, m in self.roles.items())}): remove model:",
+                )
+            )
+        if self.roles and self.inference == "local":
+            problems.append(
+                Problem(
+                    ("inference",),
+                    self.inference,
+                    "local inference serves one model on the node; a team (roles:) generates "
+                    "on its models' servers: use inference: server or remove roles:",
+                )
+            )
         if self.concurrency < self.group_size:
             problems.append(
                 Problem(
@@ -637,7 +710,9 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _tasks_name_known_models(self) -> Recipe:
-        task_models = {name: task.model for name, task in self.tasks.items()}
+        task_models = {
+            name: _model_refs(task.model, task.roles) for name, task in self.tasks.items()
+        }
         problems = _recipe_problems(task_models, self.models, self.models, self.tasks)
         on_ray = [("models", m) for m, c in self.models.items() if c.runtime == "ray"]
         on_ray += [("tasks", t) for t, c in self.tasks.items() if c.runtime == "ray"]
@@ -665,56 +740,37 @@ class Recipe(_Strict):
         return self.run.dir or f"runs/{self.run.name}"
 
 
+def _model_refs(model: object, roles: object) -> list[tuple[tuple[str, ...], str]]:
+    """Where a task names models: [(key path inside the task, model key)]."""
+    refs: list[tuple[tuple[str, ...], str]] = []
+    if isinstance(model, str):
+        refs.append((("model",), model))
+    if isinstance(roles, dict):
+        refs += [(("roles", str(r)), m) for r, m in roles.items() if isinstance(m, str)]
+    return refs
+
+
 def _recipe_problems(
-    task_models: Mapping[str, str],
+    task_models: Mapping[str, list[tuple[tuple[str, ...], str]]],
     model_names: Collection[str],
     models: Mapping[str, ModelConfig],
     tasks: Mapping[str, TaskConfig],
 ) -> list[Problem]:
-    """Checks across models and tasks. `task_models` maps each task to its `model:` and
-    `model_names` holds every key of models; `models` and `tasks` hold the valid ones
-    (all of them, unless the loader is checking a recipe with field errors)."""
+    """Checks across models and tasks. `task_models` maps each task to where it names models
+    (its `model:` or each of its `roles:`, see `_model_refs`) and `model_names` holds every
+    key of models; `models` and `tasks` hold the valid ones (all of them, unless the loader
+    is checking a recipe with field errors)."""
     problems: list[Problem] = []
     if not model_names:
         problems.append(
             Problem(("models",), {}, "names no model: add one, e.g. policy: {model: ...}")
         )
     known = ", ".join(sorted(model_names)) or "(none)"
-    for name, model_key in task_models.items():
-        if model_key not in model_names:
-            close = difflib.get_close_matches(model_key, list(model_names), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(
-                Problem(
-                    ("tasks", name, "model"),
-                    model_key,
-                    f"is not a key of models: use one of {known}{hint}",
-                )
-            )
-        elif name in tasks and model_key in models:
-            cap = models[model_key].generation.max_new_tokens
-            context = models[model_key].generation.max_context_tokens
-            wanted = tasks[name].sampling.max_tokens
-            if wanted >= context:
-                problems.append(
-                    Problem(
-                        ("tasks", name, "sampling", "max_tokens"),
-                        wanted,
-                        f"leaves no room for the prompt in models.{model_key}.generation."
-                        f"max_context_tokens ({context}), so the server would refuse every "
-                        f"request: lower max_tokens well below {context}",
-                    )
-                )
-            elif wanted > cap:
-                problems.append(
-                    Problem(
-                        ("tasks", name, "sampling", "max_tokens"),
-                        wanted,
-                        f"exceeds models.{model_key}.generation.max_new_tokens ({cap}), the "
-                        f"server's cap on any request: lower max_tokens to {cap} or raise "
-                        "max_new_tokens",
-                    )
-                )
+    for name, refs in task_models.items():
+        for at, model_key in refs:
+            for p in _task_model_problems(name, at, model_key, model_names, known, models, tasks):
+                if p not in problems:  # two roles on models with the same caps: once
+                    problems.append(p)
     taken: dict[tuple[str, int], str] = {}
     for name, model in models.items():
         for key in ("port", "metrics_port"):
@@ -732,6 +788,54 @@ def _recipe_problems(
     return problems
 
 
+def _task_model_problems(
+    name: str,
+    at: tuple[str, ...],
+    model_key: str,
+    model_names: Collection[str],
+    known: str,
+    models: Mapping[str, ModelConfig],
+    tasks: Mapping[str, TaskConfig],
+) -> list[Problem]:
+    """A task's reference to one model: the key exists, and the task's sampling fits it."""
+    if model_key not in model_names:
+        close = difflib.get_close_matches(model_key, list(model_names), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return [
+            Problem(
+                ("tasks", name, *at),
+                model_key,
+                f"is not a key of models: use one of {known}{hint}",
+            )
+        ]
+    if name not in tasks or model_key not in models:
+        return []
+    cap = models[model_key].generation.max_new_tokens
+    context = models[model_key].generation.max_context_tokens
+    wanted = tasks[name].sampling.max_tokens
+    if wanted >= context:
+        return [
+            Problem(
+                ("tasks", name, "sampling", "max_tokens"),
+                wanted,
+                f"leaves no room for the prompt in models.{model_key}.generation."
+                f"max_context_tokens ({context}), so the server would refuse every "
+                f"request: lower max_tokens well below {context}",
+            )
+        ]
+    if wanted > cap:
+        return [
+            Problem(
+                ("tasks", name, "sampling", "max_tokens"),
+                wanted,
+                f"exceeds models.{model_key}.generation.max_new_tokens ({cap}), the "
+                f"server's cap on any request: lower max_tokens to {cap} or raise "
+                "max_new_tokens",
+            )
+        ]
+    return []
+
+
 def _partial_problems(data: object) -> list[Problem]:
     """`_recipe_problems` over the parts of a recipe that are valid on their own, so that
     a recipe with field errors also gets its cross-references checked in the same run."""
@@ -741,9 +845,9 @@ def _partial_problems(data: object) -> list[Problem]:
     if not isinstance(models_raw, dict) or not isinstance(tasks_raw, dict):
         return []
     task_models = {
-        str(name): task["model"]
+        str(name): _model_refs(task.get("model"), task.get("roles"))
         for name, task in tasks_raw.items()
-        if isinstance(task, dict) and isinstance(task.get("model"), str)
+        if isinstance(task, dict)
     }
     models = {str(k): m for k, v in models_raw.items() if (m := _valid(ModelConfig, v))}
     tasks = {str(k): t for k, v in tasks_raw.items() if (t := _valid(TaskConfig, v))}
@@ -1051,7 +1155,10 @@ def _problem_issues(
         loc = (*at, *problem.loc)
         message = _with_source(problem.message, loc, interpolated)
         issues.append(
-            RecipeIssue(file, _line_for(loc, lines), _dotted(loc), message, problem.value, True)
+            RecipeIssue(
+                file, _line_for(loc, lines), _dotted(loc), message,
+                None if problem.value is MISSING else problem.value, problem.value is not MISSING,
+            )
         )
     return issues
 

@@ -237,6 +237,8 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "name": node.name,
         "task": node.task,
         "model": node.model,
+        "models": f.get("models") or [node.model],
+        "roles": f.get("roles") or {},  # a team task's role -> model
         "state": state,
         "process_state": node.state,
         # the runtime's pid; else (a Ray actor, a node that joined) the one it reports
@@ -252,6 +254,7 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "server_reachable": f.get("server_reachable"),
         "acks": f.get("acks") or {},
         "dropped": f.get("dropped") or {},
+        "tokens_generated": {k: int(v) for k, v in (f.get("tokens_generated") or {}).items()},
         "updated_at": f.get("updated_at"),
         "address": f.get("address"),  # where it runs, as the controller sees it
     }
@@ -272,17 +275,24 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
 
 
 def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per task: its nodes' revisions, nodes up, rollouts, spool, the trajectories the
-    servers received from it (`received_by_task`, summed over the servers) and the mean
-    reward of its last 32 accepted groups (`reward_by_task`, of the server training it)."""
+    """Per task: the models that train on it (and a team's roles, as its nodes report them),
+    its nodes' revisions, nodes up, rollouts, spool, the trajectories the servers received
+    from it (`received_by_task`, summed over the servers) and the mean reward of its last 32
+    accepted groups on each server training it (`reward_by_model`; `reward`: their mean, the
+    one server's for a task of one model)."""
     tasks: dict[str, dict[str, Any]] = {}
 
     def entry(task: str) -> dict[str, Any]:
-        return tasks.setdefault(task, {"revisions": [], "nodes": 0, "up": 0, "rollouts_done": 0,
-                                       "spool_depth": 0, "received": 0, "reward": None})
+        return tasks.setdefault(task, {"models": [], "roles": {}, "revisions": [], "nodes": 0,
+                                       "up": 0, "rollouts_done": 0, "spool_depth": 0,
+                                       "received": 0, "reward": None, "reward_by_model": {}})
 
     for c in doc["clients"]:
         e = entry(c["task"])
+        e["roles"].update(c.get("roles") or {})
+        for model in c.get("models") or [c["model"]]:
+            if model and model not in e["models"]:
+                e["models"].append(model)
         if c["revision"] not in e["revisions"]:
             e["revisions"].append(c["revision"])
         e["nodes"] += 1
@@ -293,11 +303,40 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for task, n in (srv.get("received_by_task") or {}).items():
             entry(task)["received"] += int(n)
         for task, reward in (srv.get("reward_by_task") or {}).items():
-            entry(task)["reward"] = float(reward)
+            e = entry(task)
+            e["reward_by_model"][srv["model"]] = float(reward)
+            if srv["model"] not in e["models"]:
+                e["models"].append(srv["model"])
+    for e in tasks.values():
+        rewards = list(e["reward_by_model"].values())
+        e["reward"] = sum(rewards) / len(rewards) if rewards else None
     return dict(sorted(tasks.items()))
 
 
+def trains_on(entry: dict[str, Any]) -> str:
+    """A task's models as the tasks table shows them: `model`, or a team's `role:model`s."""
+    return models_of(entry.get("roles") or {}, entry.get("models") or [])
+
+
+def task_reward(entry: dict[str, Any]) -> str:
+    """A task's recent reward: one number, or a team's per role (`role reward`)."""
+    by_model: dict[str, float] = entry.get("reward_by_model") or {}
+    roles: dict[str, str] = entry.get("roles") or {}
+    if len(by_model) <= 1:
+        reward = entry.get("reward")
+        return "-" if reward is None else f"{reward:.3f}"
+    role_of = {m: r for r, m in roles.items()}
+    return " ".join(f"{role_of.get(m, m)} {r:.3f}" for m, r in by_model.items())
+
+
 # -- rendering -----------------------------------------------------------------------------
+
+
+def models_of(roles: dict[str, str], models: list[str]) -> str:
+    """What trains on a task: its model, or a team's `role:model` pairs."""
+    if roles:
+        return ", ".join(f"{r}:{m}" for r, m in roles.items())
+    return ", ".join(models) or "-"
 
 
 def _fmt(v: Any, digits: int = 0) -> str:
@@ -422,23 +461,22 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
     for col in ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
                 "reward", "restarts"):
         t.add_column(col, justify="left" if col in ("task", "model", "rev") else "right",
-                     no_wrap=True)
+                     no_wrap=col != "model")
     summary = doc.get("tasks") or task_summary(doc)
     names = list(recipe.tasks) if recipe is not None else list(summary)
     for task in names:
         e = summary.get(task) or {}
         nodes = [c for c in doc["clients"] if c["task"] == task]
         wanted = recipe.tasks[task].clients if recipe is not None else len(nodes)
-        model = recipe.tasks[task].model if recipe is not None else (
-            nodes[0]["model"] if nodes else "-")
+        if recipe is not None:  # a team's roles even before its nodes report them
+            e = {**e, "roles": recipe.tasks[task].roles, "models": recipe.tasks[task].models}
         failed = sum(int(c["rollouts_failed"] or 0) + int(c["rollouts_timeout"] or 0)
                      for c in nodes)
-        reward = e.get("reward")
         t.add_row(
-            task, model, ",".join(e.get("revisions") or []) or "-",
+            task, trains_on(e), ",".join(e.get("revisions") or []) or "-",
             f"{sum(1 for c in nodes if c['process_state'] == 'running')}/{wanted}",
             _fmt(e.get("rollouts_done", 0)), str(failed), _fmt(e.get("received", 0)),
-            "-" if reward is None else f"{reward:.3f}", str(sum(c["restarts"] for c in nodes)),
+            task_reward(e), str(sum(c["restarts"] for c in nodes)),
         )
     return t
 

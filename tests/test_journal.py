@@ -45,7 +45,8 @@ def test_a_rolled_back_change_leaves_no_record(tmp_path: Path) -> None:
     journal = Journal.install(spool.path, SPOOL_TABLES)
     db = sqlite3.connect(spool.path, isolation_level=None)
     db.execute("BEGIN")
-    db.execute("INSERT INTO dropped VALUES ('x', 'failed', 'e', 0)")
+    db.execute("INSERT INTO dropped (trajectory_id, reason, error, time)"
+               " VALUES ('x', 'failed', 'e', 0)")
     db.execute("ROLLBACK")
     assert journal.since(0) == []
 

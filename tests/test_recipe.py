@@ -141,6 +141,56 @@ def test_unknown_model_of_a_task_points_at_its_model_key() -> None:
     assert "use one of policy; did you mean 'policy'?" in rendered
 
 
+TEAM = """\
+models:
+  planner:
+    model: builtin:tiny
+  coder:
+    model: builtin:tiny
+    generation: {max_new_tokens: 128}
+tasks:
+  team:
+    env: envs.digits.team:make_env
+    agent: agents.digits:team_agent
+    roles:
+      plan: planner
+      code: coder
+"""
+
+
+def test_a_team_names_its_models_under_roles() -> None:
+    team = parse_recipe(TEAM, env={}).tasks["team"]
+    assert team.role_models == {"plan": "planner", "code": "coder"}
+    assert team.models == ["planner", "coder"] and team.model is None
+    assert parse_recipe(GOOD, env={}).tasks["digits"].role_models == {"default": "policy"}
+    found = {path: (line, rendered) for line, path, rendered in issues_of(
+        TEAM.replace("      code: coder\n", "      code: codr\n      'a b': coder\n")
+    )}
+    assert found["tasks.team.roles"][1].endswith(
+        "role name 'a b' must be 1-64 letters, digits, '_', '.' or '-', starting with a letter "
+        "or digit (the agent sends it as the model name)")
+    # each role's model is checked where the role names it
+    assert found["tasks.team.roles.code"] == (
+        13,
+        ("r.yaml:13: tasks.team.roles.code = 'codr': is not a key of models: use one of "
+        "coder, planner; did you mean 'coder'?"),
+    )
+    found = {path: rendered for _, path, rendered in issues_of(
+        TEAM + "    model: planner\n    inference: local\n")}
+    assert found["tasks.team.model"] == (
+        "r.yaml:14: tasks.team.model = 'planner': a team task names its models under roles: "
+        "(here plan: planner, code: coder): remove model:")
+    assert "local inference serves one model on the node" in found["tasks.team.inference"]
+    # the sampling of a team's task must fit each of its models
+    [(_, path, rendered)] = issues_of(TEAM + "    sampling: {max_tokens: 200}\n")
+    assert path == "tasks.team.sampling.max_tokens"
+    assert "exceeds models.coder.generation.max_new_tokens (128)" in rendered
+    [(line, path, rendered)] = issues_of(GOOD.replace("    model: policy\n", ""))
+    assert (line, path) == (7, "tasks.digits.model") and rendered == (
+        "r.yaml:7: tasks.digits.model: required key is missing: name the key under models: "
+        "that trains on this task, or give roles: (role: model key) for a team of models")
+
+
 def test_cross_field_checks_run_alongside_field_errors() -> None:
     text = """\
 models:

@@ -652,6 +652,10 @@ ROWS: dict[str, Row] = {
         f"{NODE}::test_digits_groups_arrive_with_correct_fields",
         "tests/test_recipe.py::test_unknown_model_of_a_task_points_at_its_model_key",
     )),
+    "tasks.<name>.roles": CoveredBy((
+        "tests/client/test_team_node.py::test_each_role_reaches_its_model_and_trains_it_with_its_reward",
+        "tests/test_recipe.py::test_a_team_names_its_models_under_roles",
+    )),
     "tasks.<name>.env_args": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
     "tasks.<name>.clients": CoveredBy(
         (f"{CONTROLLER}::test_start_status_and_down_drains_clients_before_servers",)),

@@ -47,9 +47,10 @@ def reply() -> cpb.RunStatusReply:
 def test_document_shape_and_types() -> None:
     doc = document(reply())
     assert set(doc) == {"run", "run_dir", "state", "uptime_s", "servers", "clients", "tasks"}
-    assert doc["tasks"] == {"arith": {"revisions": ["r0"], "nodes": 2, "up": 1,
-                                      "rollouts_done": 12, "spool_depth": 2, "received": 48,
-                                      "reward": 0.625}}
+    assert doc["tasks"] == {"arith": {"models": ["policy"], "roles": {}, "revisions": ["r0"],
+                                      "nodes": 2, "up": 1, "rollouts_done": 12,
+                                      "spool_depth": 2, "received": 48, "reward": 0.625,
+                                      "reward_by_model": {"policy": 0.625}}}
     (s,) = doc["servers"]
     assert s["version"] == 7 and s["buffer_depth"] == 3 and s["accepted"] == 40
     assert s["rejected"] == {"stale": 2, "invalid": 1} and s["trained"] == 32
@@ -65,6 +66,46 @@ def test_document_shape_and_types() -> None:
     console = Console(width=120, record=True)
     console.print(render_status(doc))
     assert "0.625" in console.export_text(), "the tasks table shows each task's reward"
+
+
+def test_a_team_task_shows_its_roles_models_and_each_roles_reward() -> None:
+    figures = {"big": 0.75, "small": 0.25}
+    servers = [
+        cpb.NodeStatus(name=f"server-{m}", kind="server", model=m, state="running",
+                       json=json.dumps({**SERVER_FIGURES, "model": m,
+                                        "received_by_task": {"team": "16"},
+                                        "reward_by_task": {"team": r}}))
+        for m, r in figures.items()
+    ]
+    client = {**CLIENT_FIGURES, "name": "team-0", "task": "team", "models": ["big", "small"],
+              "roles": {"planner": "big", "coder": "small"}}
+    doc = document(cpb.RunStatusReply(
+        run="t", run_dir="/runs/t", state="running",
+        nodes=[*servers, cpb.NodeStatus(name="team-0", kind="client", task="team", model="big",
+                                        state="running", revision="r0",
+                                        json=json.dumps(client))],
+    ))
+    team = doc["tasks"]["team"]
+    assert team["models"] == ["big", "small"] and team["roles"] == client["roles"]
+    assert team["received"] == 32 and team["reward_by_model"] == figures
+    assert team["reward"] == 0.5
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(render_status(doc))
+    text = console.export_text()
+    assert "planner:big, coder:small" in text and "planner 0.750 coder 0.250" in text
+    # `jetctl up` draws the same row from the recipe's roles
+    from jetctl.recipe import parse_recipe
+
+    recipe = parse_recipe(
+        "run: {name: t}\nmodels:\n  big: {model: builtin:tiny}\n  small: {model: builtin:tiny}\n"
+        "tasks:\n  team:\n    env: envs.digits.team:make_env\n"
+        "    agent: agents.digits:team_agent\n    roles: {planner: big, coder: small}\n", env={})
+    console = Console(width=160, record=True)
+    console.print(render_progress(doc, recipe))
+    text = console.export_text()
+    assert "planner:big, coder:small" in text and "planner 0.750 coder 0.250" in text
 
 
 def test_find_run_dir_prefers_latest_then_newest(tmp_path: Path) -> None:

@@ -273,7 +273,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
     task_name = next(iter(rec.tasks))
     task = rec.tasks[task_name]
     spec: dict[str, Any] = {
-        "model": rec.models[task.model].model_dump(mode="json"),
+        "model": rec.models[task.models[0]].model_dump(mode="json"),
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
     }

@@ -29,7 +29,7 @@ import typer
 from jetctl.cli.errors import fail
 
 if TYPE_CHECKING:
-    from jetctl.recipe import Recipe
+    from jetctl.recipe import Recipe, TaskConfig
     from jetctl.tls import TlsFiles
 
 
@@ -166,7 +166,6 @@ async def _joined_node(
 ) -> int:
     """Join the controller at `control`, then run the node it describes."""
     from jetctl.client.node import ClientNode, NodeConfig
-    from jetctl.faults import endpoint_override
     from jetctl.link import ControlLink, JoinRefused
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.recipe import TaskConfig
@@ -188,8 +187,7 @@ async def _joined_node(
         name=reply.name, task_name=o.task, task=task_cfg, run_dir=run_dir, token=token,
         tls=tls, index=reply.index, revision=reply.revision, agent=o.agent or reply.agent,
         max_groups=o.max_groups, drain_grace_s=o.drain_grace_s, metrics_port=o.metrics_port,
-        # chaos runs route clients through a network proxy (jetctl.netproxy)
-        endpoint=endpoint_override(task_cfg.model), link=link,
+        endpoints=_endpoint_overrides(task_cfg), link=link,
     )
     return await ClientNode(config).run()
 
@@ -199,7 +197,6 @@ async def _lone_node(
 ) -> int:
     """A node without a controller: the recipe's task, the servers' endpoint files."""
     from jetctl.client.node import ClientNode, NodeConfig
-    from jetctl.faults import endpoint_override
 
     if o.task not in recipe.tasks:
         fail(f"task {o.task!r} is not in the recipe "
@@ -214,9 +211,16 @@ async def _lone_node(
         task=recipe.tasks[o.task], run_dir=run_dir, token=token, tls=tls, index=index,
         revision=o.revision or "default", agent=o.agent, max_groups=o.max_groups,
         drain_grace_s=o.drain_grace_s, metrics_port=o.metrics_port,
-        endpoint=endpoint_override(recipe.tasks[o.task].model),
+        endpoints=_endpoint_overrides(recipe.tasks[o.task]),
     )
     return await ClientNode(config).run()
+
+
+def _endpoint_overrides(task: TaskConfig) -> dict[str, str]:
+    """Chaos runs route clients through a network proxy (jetctl.netproxy): per model."""
+    from jetctl.faults import endpoint_override
+
+    return {m: e for m in task.models if (e := endpoint_override(m)) is not None}
 
 
 def _token(given: str | None, run_dir: Path) -> str:

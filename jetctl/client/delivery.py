@@ -12,6 +12,10 @@ every `probe_s` and the first ack makes every deferred group due again, so a hea
 drains in less time than it lasted. A request the server refuses whole (INVALID_ARGUMENT) is
 resent one group at a time to find the bad one. STALE, INVALID and REVISION are final; the
 REVISION ack means the server refuses this node's revision, so the node drains.
+
+A team task's node has one `Delivery` per model (`model=`), each with its own transport and
+taking only its model's groups from the shared spool, so one model's unreachable server
+never holds back another's groups.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ class Delivery:
         options: DeliveryOptions = DeliveryOptions(),
         on_revision_refused: Callable[[], None] = lambda: None,
         on_acked: Callable[[float, int], None] | None = None,
+        model: str | None = None,  # send only this model's groups (None: every group)
     ) -> None:
         self.spool = spool
+        self.model = model
         self.transport = transport
         self.stats = stats
         self.metrics = metrics
@@ -105,7 +111,7 @@ class Delivery:
                 continue
             if self._probe_due():
                 continue
-            next_due = self.spool.next_due_at()
+            next_due = self.spool.next_due_at(self.model)
             wait = 1.0 if next_due is None else min(1.0, max(0.02, next_due - time.time()))
             self._wake.clear()
             try:
@@ -116,19 +122,19 @@ class Delivery:
     async def flush(self, grace_s: float) -> None:
         """Wait until the spool is empty or `grace_s` is up (un-acked groups stay spooled)."""
         deadline = time.monotonic() + grace_s
-        while self.spool.depth() > 0 and time.monotonic() < deadline:
+        while self.spool.depth(self.model) > 0 and time.monotonic() < deadline:
             self._wake.set()
             await asyncio.sleep(0.05)
-        if self.spool.depth() > 0:
+        if self.spool.depth(self.model) > 0:
             log.warning(
                 "drain: %d groups still un-acked; they stay in %s",
-                self.spool.depth(),
+                self.spool.depth(self.model),
                 self.spool.path,
             )
 
     async def _send_once(self) -> int:
         """Push one batch of due groups; returns how many were attempted."""
-        due = self.spool.due(limit=self._batch)
+        due = self.spool.due(limit=self._batch, model=self.model)
         if not due:
             return 0
         limit = self.transport.max_message_bytes
@@ -171,7 +177,7 @@ class Delivery:
             self._on_acked(time.perf_counter() - t0, len(batch))
         if self._link_down_since is not None:
             # the link is back: everything deferred goes now, not after its backoff
-            resent = self.spool.retry_now()
+            resent = self.spool.retry_now(model=self.model)
             log.info(
                 "server reachable again after %.1fs; resending %d deferred groups now",
                 time.monotonic() - self._link_down_since, resent,
@@ -220,7 +226,7 @@ class Delivery:
         if now - self._last_probe < self.opts.probe_s:
             return False
         self._last_probe = now
-        return self.spool.retry_now(limit=1) > 0
+        return self.spool.retry_now(limit=1, model=self.model) > 0
 
     def _resend_delay(self, attempts: int) -> float:
         cap = min(self.opts.resend_max_s, self.opts.resend_base_s * 2**attempts)

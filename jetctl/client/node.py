@@ -8,7 +8,9 @@ What one node does (docs/architecture.md sections 1, 2, 6):
 
 1. Register with the task's model server (endpoint from the controller through its control
    link, jetctl.link; a node without one reads `<run_dir>/servers/<model>.json`), retried
-   until it answers, and rebuild its tokenizer from the reply.
+   until it answers, and rebuild its tokenizer from the reply. A team task (`roles:`)
+   registers with each of its models' servers (each endpoint from the link, by model); its
+   proxy serves each role by name.
 2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery, and the status sync:
    about once a second its status figures and its spool's ledger records (jetctl.journal)
    go to the controller, which answers with endpoints, refused revisions and drain orders
@@ -22,10 +24,10 @@ What one node does (docs/architecture.md sections 1, 2, 6):
    is sent by the next node of the same name.
 
 This module is the node's lifecycle and status; production and delivery share only the
-spool, the counters (`NodeStats`) and the drain event.
+spool, the counters (`NodeStats`) and the drain event. A team's node has one transport and
+one delivery per model.
 
-Left out: multi-model teams (one node serves its task's model; requests naming any other
-model are answered by it too) and SubmitStream.
+Left out: SubmitStream; local inference for a team (the recipe refuses it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +61,7 @@ from jetctl.client.transport import (
 from jetctl.journal import SPOOL_TABLES, Journal
 from jetctl.link import ControlLink, Identity
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.recipe import TaskConfig
+from jetctl.recipe import DEFAULT_ROLE, TaskConfig
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.tls import TlsFiles
 
@@ -89,7 +91,8 @@ class NodeConfig:
     resend_max_s: float = 30.0
     probe_s: float = 2.0  # while Submit fails, resend the oldest group this often
     install_signal_handlers: bool = True
-    endpoint: str | None = None  # fixed server endpoint (chaos's proxy, tests)
+    endpoint: str | None = None  # fixed endpoint of the task's (first) model's server (chaos, tests)
+    endpoints: dict[str, str] = field(default_factory=dict)  # model -> fixed endpoint (teams)
     tls: TlsFiles | None = None  # run.tls; None: plaintext
     link: ControlLink | None = None  # the controller; None: a node on its own (files)
     # benchmarks: makes the node's producer (an object with `async run()` and `backpressure`)
@@ -105,7 +108,9 @@ class NodeConfig:
 class ClientNode:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.model = config.task.model
+        self.models = config.task.models  # the models its calls train (a team: several)
+        self.model = self.models[0]
+        self.team = bool(config.task.roles)
         self.state = "starting"
         self.stats = NodeStats()
         self.metrics = ClientMetrics()
@@ -122,30 +127,49 @@ class ClientNode:
         link = config.link
         # live rollouts (pid, start time): a restart kills what a killed predecessor left
         self._rollout_registry = self.paths.rollouts(config.name)
-        self.transport = SwarmTransport(
-            self.model, config.token, run_dir=None if link else config.run_dir,
-            endpoint=config.endpoint,
-            endpoint_source=(lambda: link.endpoint(self.model)) if link else None,
-            tls=config.tls,
-            # retries within a call stay short (<= 2 s apart): the spool retries for longer
-            retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
-        )
-        self.delivery = Delivery(
-            self.spool, self.transport, self.stats, self.metrics,
-            options=DeliveryOptions(
-                batch_groups=config.submit_batch_groups, resend_base_s=config.resend_base_s,
-                resend_max_s=config.resend_max_s, probe_s=config.probe_s,
-            ),
-            # the server refuses this revision: nothing more to do here
-            on_revision_refused=self.drain, on_acked=config.on_acked,
-        )
+        self.transports = {
+            m: SwarmTransport(
+                m, config.token, run_dir=None if link else config.run_dir,
+                endpoint=self._fixed_endpoint(m),
+                endpoint_source=_link_endpoint(link, m) if link else None,
+                tls=config.tls,
+                # retries within a call stay short (<= 2 s apart): the spool retries for longer
+                retry=RetryPolicy(max_s=2.0, total_s=30.0), call_timeout_s=15.0,
+            )
+            for m in self.models
+        }
+        self.deliveries = {
+            m: Delivery(
+                self.spool, transport, self.stats, self.metrics,
+                options=DeliveryOptions(
+                    batch_groups=config.submit_batch_groups, resend_base_s=config.resend_base_s,
+                    resend_max_s=config.resend_max_s, probe_s=config.probe_s,
+                ),
+                # the server refuses this revision: nothing more to do here
+                on_revision_refused=self.drain, on_acked=config.on_acked,
+                model=m if self.team else None,
+            )
+            for m, transport in self.transports.items()
+        }
+        self.transport = self.transports[self.model]
+        self.delivery = self.deliveries[self.model]
         self.producer: Any = None  # production.Producer (or a benchmark's)
         self.proxy: Proxy | None = None
-        self.backend: Backend | None = None
-        self.register_reply: pb.RegisterReply | None = None
+        self.backend: Backend | None = None  # the (first) model's
+        self.register_replies: dict[str, pb.RegisterReply] = {}
+        self.register_reply: pb.RegisterReply | None = None  # the (first) model's
         self._draining = asyncio.Event()
         self._runner: RolloutRunner | None = None
         self._local_engine: Any = None
+
+    def _fixed_endpoint(self, model: str) -> str | None:
+        if model in self.config.endpoints:
+            return self.config.endpoints[model]
+        return self.config.endpoint if model == self.model else None
+
+    def _wake_senders(self) -> None:
+        for delivery in self.deliveries.values():
+            delivery.wake()
 
     @property
     def backpressure(self) -> bool:
@@ -169,23 +193,23 @@ class ClientNode:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.drain)
         status_task = asyncio.create_task(self._status_loop())
-        sender: asyncio.Task[None] | None = None
+        senders: list[asyncio.Task[None]] = []
         try:
             if self.config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve("127.0.0.1", self.config.metrics_port)
             self._recover_lost()
             # Groups left by an earlier node of this name go out first.
-            sender = asyncio.create_task(self.delivery.run())
+            senders = [asyncio.create_task(d.run()) for d in self.deliveries.values()]
             if not await self._register():
-                return await self._finish(sender, status_task)
+                return await self._finish(senders, status_task)
             await self._start_serving()
             self.state = "running" if not self._draining.is_set() else "draining"
             assert self.producer is not None
             await self.producer.run()
-            return await self._finish(sender, status_task)
+            return await self._finish(senders, status_task)
         except BaseException:
             self.state = "exited"
-            if sender is not None:
+            for sender in senders:
                 sender.cancel()
             status_task.cancel()
             self._write_status()
@@ -195,6 +219,7 @@ class ClientNode:
 
     def _recover_lost(self) -> None:
         """Rollouts an earlier process of this node left running (it was killed) are lost."""
+        self.spool.label_unlabelled(self.model)  # rows of a spool written before teams
         reaped = reap_leftovers(self._rollout_registry)
         if reaped:
             log.warning("killed %d rollout(s) an earlier process of %s left running",
@@ -205,16 +230,21 @@ class ClientNode:
             self.stats.drop("lost", lost)
             self.metrics.dropped.labels(reason="lost").inc(lost)
 
-    async def _finish(self, sender: asyncio.Task[None], status_task: asyncio.Task[None]) -> int:
+    async def _finish(
+        self, senders: list[asyncio.Task[None]], status_task: asyncio.Task[None]
+    ) -> int:
         self.state = "draining"
+        deliveries = list(self.deliveries.values())
         # keep a little of the grace for the last sync, which carries the last ledger records
-        await self.delivery.flush(max(0.0, self.config.drain_grace_s - FINAL_SYNC_S))
-        self.delivery.stop()
-        sender.cancel()  # a Submit still retrying is abandoned; its groups stay spooled
-        try:
-            await sender
-        except asyncio.CancelledError:
-            pass
+        grace = max(0.0, self.config.drain_grace_s - FINAL_SYNC_S)
+        await asyncio.gather(*(d.flush(grace) for d in deliveries))
+        for delivery, sender in zip(deliveries, senders):
+            delivery.stop()
+            sender.cancel()  # a Submit still retrying is abandoned; its groups stay spooled
+            try:
+                await sender
+            except asyncio.CancelledError:
+                pass
         self.state = "exited"
         status_task.cancel()
         await self._report(final=True)
@@ -225,74 +255,82 @@ class ClientNode:
             await self.proxy.stop()
         if self._runner is not None:
             self._runner.shutdown()
-        await self.transport.close()
+        for transport in self.transports.values():
+            await transport.close()
         if self.link is not None:
             await self.link.close()
         self.metrics.close()
         self.spool.close()
 
     async def _register(self) -> bool:
-        """Register, retrying with backoff until the server answers (False if drained first)."""
+        """Register with each model's server, retrying with backoff until it answers (False
+        if drained first, or a server refuses this node's revision)."""
+        for model, transport in self.transports.items():
+            reply = await self._register_with(model, transport)
+            if reply is None:
+                return False
+            self.register_replies[model] = reply
+        self.register_reply = self.register_replies[self.model]
+        return True
+
+    async def _register_with(
+        self, model: str, transport: SwarmTransport
+    ) -> pb.RegisterReply | None:
         delay = 0.5
         while not self._draining.is_set():
             try:
-                reply = await self.transport.register(
+                reply = await transport.register(
                     self.config.name, self.config.task_name, self.config.revision
                 )
             except (grpc.aio.AioRpcError, EndpointNotFound) as e:
                 self.state = "backoff"
                 log.warning(
-                    "register with %s failed (%s); retrying in %.1fs",
-                    self.model, short_error(e), delay,
+                    "register with %s failed (%s); retrying in %.1fs", model, short_error(e), delay
                 )
                 await sleep_or(self._draining, delay)
                 delay = min(delay * 2, 10.0)
                 continue
             if self._refused(reply.refused_revisions):
-                log.warning(
-                    "server %s refuses revision %s; exiting", self.model, self.config.revision
-                )
+                log.warning("server %s refuses revision %s; exiting", model, self.config.revision)
                 self.drain()
-                return False
-            self.register_reply = reply
-            return True
-        return False
+                return None
+            return reply
+        return None
 
     async def _start_serving(self) -> None:
-        """Tokenizer from the Register reply, the proxy, the rollout runner, the producer."""
-        reply = self.register_reply
-        assert reply is not None
+        """Tokenizers from the Register replies, the proxy, the rollout runner, the producer."""
         if self.config.make_producer is not None:
             self.producer = self.config.make_producer(self)
             return
-        from jetctl.models import tokenizer_from_files
-
-        loop = asyncio.get_running_loop()
-        tokenizer = await loop.run_in_executor(
-            None, tokenizer_from_files, dict(reply.tokenizer_files)
-        )
-        if reply.chat_template:
-            tokenizer.chat_template = reply.chat_template
-        renderer = ChatRenderer(tokenizer, list(reply.eos_token_ids))
-        if self.config.task.inference == "local":
-            from jetctl.client.local_engine import LocalEngine
-
-            engine = await LocalEngine.start(
-                reply.model_source, self.transport, reply.model_version
-            )
-            self._local_engine = engine
-            self.backend = engine
-        else:
-            self.backend = ServerBackend(self.transport)
         cfg = self.config
+        backends: dict[str, Backend] = {}
+        renderers: dict[str, ChatRenderer] = {}
+        for model, reply in self.register_replies.items():
+            renderers[model] = await _renderer(reply)
+            if cfg.task.inference == "local":  # one model: the recipe refuses it for teams
+                from jetctl.client.local_engine import LocalEngine
+
+                engine = await LocalEngine.start(
+                    reply.model_source, self.transports[model], reply.model_version
+                )
+                self._local_engine = engine
+                backends[model] = engine
+            else:
+                backends[model] = ServerBackend(self.transports[model])
+        self.backend = backends[self.model]
+
+        def served(name: str, model: str, role: str) -> ServedModel:
+            context = int(self.register_replies[model].max_context_tokens) or 2048
+            return ServedModel(name, renderers[model], backends[model], context, model, role)
+
+        if self.team:  # the agent names a role; each role's calls go to its model
+            names = {r: served(r, m, r) for r, m in cfg.task.role_models.items()}
+        else:
+            names = {self.model: served(self.model, self.model, DEFAULT_ROLE)}
         sampling = cfg.task.sampling
         self.proxy = Proxy(
-            {
-                self.model: ServedModel(
-                    self.model, renderer, self.backend, int(reply.max_context_tokens) or 2048
-                )
-            },
-            default_model=self.model,
+            names,
+            default_model=None if self.team else self.model,
             sampling=Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens),
         )
         await self.proxy.start()
@@ -304,12 +342,12 @@ class ClientNode:
         )
         self.producer = Producer(
             ProductionConfig(
-                node=cfg.name, task_name=cfg.task_name, task=cfg.task, model=self.model,
+                node=cfg.name, task_name=cfg.task_name, task=cfg.task,
                 agent=cfg.agent_spec, revision=cfg.revision, index=cfg.index,
                 max_groups=cfg.max_groups,
             ),
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
-            draining=self._draining, on_spooled=self.delivery.wake,
+            draining=self._draining, on_spooled=self._wake_senders,
             local_engine=self._local_engine,
         )
 
@@ -351,7 +389,7 @@ class ClientNode:
             self.drain()
 
     def status(self) -> dict[str, Any]:
-        reachable = self.delivery.reachable
+        reachable = all(d.reachable for d in self.deliveries.values())
         self.metrics.server_reachable.set(1 if reachable else 0)
         depth = self.spool.depth()
         self.metrics.spool_groups.set(depth)
@@ -360,6 +398,8 @@ class ClientNode:
             "name": self.config.name,
             "task": self.config.task_name,
             "model": self.model,
+            "models": list(self.models),
+            "roles": dict(self.config.task.roles),
             "state": self.state,
             "revision": self.config.revision,
             "rollouts_done": self.stats.rollouts_done,
@@ -372,6 +412,8 @@ class ClientNode:
             "server_reachable": reachable,
             "acks": dict(self.stats.acks),
             "dropped": dict(self.stats.dropped),
+            # tokens generated for this node's calls, by model (a team's calls reach several)
+            "tokens_generated": dict(self.proxy.tokens_generated) if self.proxy else {},
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "address": self.link.address if self.link is not None else None,
@@ -384,3 +426,19 @@ class ClientNode:
 
     def _write_status(self) -> None:
         write_json_atomic(self.paths.node_file(self.config.name), self.status())
+
+
+def _link_endpoint(link: ControlLink, model: str) -> Callable[[], str]:
+    """Where `model`'s server is, as the controller said last (one source per model)."""
+    return lambda: link.endpoint(model)
+
+
+async def _renderer(reply: pb.RegisterReply) -> ChatRenderer:
+    """The chat renderer of a server's model, from its tokenizer files in `reply`."""
+    from jetctl.models import tokenizer_from_files
+
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, tokenizer_from_files, dict(reply.tokenizer_files))
+    if reply.chat_template:
+        tokenizer.chat_template = reply.chat_template
+    return ChatRenderer(tokenizer, list(reply.eos_token_ids))

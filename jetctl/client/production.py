@@ -12,6 +12,13 @@ are recorded in the spool before their rollouts start (so a killed node's are fo
 table with their error; a group with fewer than 2 ok trajectories is dropped whole (GRPO needs
 a comparison). Rollouts never wait for training; they wait only while the spool holds more
 than `spool_max_bytes` (back-pressure; nothing un-acked is ever deleted).
+
+A team task (`roles:`) splits each rollout's timeline by role: each role's calls become that
+role's trajectory (ids of its own, made before the rollouts start, with the rollout's id in
+`metadata["rollout_id"]`), and each role's trajectories of the group become a group for that
+role's model, with the role's reward (`session.reward()` may return one per role; else every
+role gets the shared one). A role's group stands or falls alone (fewer than 2 ok: dropped),
+and the groups of one batch of rollouts are spooled in one transaction.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ from typing import Any
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.proxy import Proxy
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
-from jetctl.client.spool import Spool
+from jetctl.client.spool import Spool, SpooledGroup
 from jetctl.env import Task
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import TaskConfig
-from jetctl.types import Trajectory, TrajectoryGroup, uuid7
+from jetctl.types import LLMCall, Trajectory, TrajectoryGroup, uuid7
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +48,29 @@ class ProductionConfig:
     node: str  # client_id on every trajectory
     task_name: str
     task: TaskConfig
-    model: str
     agent: str  # module:function
     revision: str
     index: int = 0  # seeds the task stream
     max_groups: int | None = None  # stop after this many groups (tests, benchmarks)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One role's share of a group of rollouts: bound for that role's model."""
+
+    role: str
+    model: str
+    group_id: str
+    trajectory_ids: list[str]  # one per rollout, in rollout order
+
+
+@dataclass(frozen=True)
+class _Rollout:
+    """What one rollout left: its result and its calls by role."""
+
+    result: RolloutResult
+    calls: dict[str, list[LLMCall]]  # role -> that role's calls
+    metadata: dict[str, str]
 
 
 class Producer:
@@ -75,6 +100,8 @@ class Producer:
         self._on_spooled = on_spooled
         self._local_engine = local_engine
         self._semaphore = asyncio.Semaphore(config.task.concurrency)
+        self._roles = config.task.role_models  # role -> model
+        self._team = bool(config.task.roles)
 
     def _tasks(self) -> Iterator[Task]:
         task = self.config.task
@@ -110,60 +137,132 @@ class Producer:
             await asyncio.gather(*inflight)
 
     async def _run_group(self, task: Task) -> None:
+        """`group_size` rollouts of one task; each role's part of them becomes a group for
+        that role's model (a task without roles: one part, whose ids are the rollouts')."""
         cfg = self.config
-        group_id = uuid7()
-        trajectory_ids = [uuid7() for _ in range(cfg.task.group_size)]
+        rollout_ids = [uuid7() for _ in range(cfg.task.group_size)]
+        parts = [
+            _Part(role, model, uuid7(), list(rollout_ids) if not self._team else
+                  [uuid7() for _ in rollout_ids])
+            for role, model in self._roles.items()
+        ]
         # made and recorded before anything is sent: if the node dies now, they are lost
-        self.spool.start(group_id, trajectory_ids)
-        trajectories = await asyncio.gather(
-            *(self._run_rollout(task, group_id, tid) for tid in trajectory_ids)
-        )
-        ok = [t for t in trajectories if t.status == "ok"]
-        for t in trajectories:
-            if t.status != "ok":
-                self._record_drop(t.id, t.status, t.error)
-        if len(ok) < 2:
-            reason = (
-                f"group {group_id} dropped: {len(ok)} of {len(trajectories)} rollouts ok (need 2)"
-            )
-            for t in ok:
-                self._record_drop(t.id, "failed", reason)
-            self.stats.groups_dropped += 1
-            log.warning("%s", reason)
-        else:
-            group = TrajectoryGroup(
-                id=group_id,
-                task=cfg.task_name,
-                task_id=task.id,
-                model=cfg.model,
-                trajectories=ok,
-            )
-            self.spool.put(
-                group.id, group_to_pb(group).SerializeToString(), len(ok),
-                trajectory_ids=[t.id for t in ok],
-            )
-            self.stats.groups_spooled += 1
+        for part in parts:
+            self.spool.start(part.group_id, part.trajectory_ids, model=part.model)
+        rollouts = await asyncio.gather(*(self._run_rollout(task, rid) for rid in rollout_ids))
+        spooled = []
+        for part in parts:
+            group = self._part_group(task, part, rollout_ids, rollouts)
+            if group is not None:
+                spooled.append(SpooledGroup(
+                    group.id, group_to_pb(group).SerializeToString(),
+                    [t.id for t in group.trajectories], part.model,
+                ))
+        if spooled:
+            self.spool.put_all(spooled)
+            self.stats.groups_spooled += len(spooled)
             self._on_spooled()
         self.stats.groups_finished += 1
 
-    async def _run_rollout(self, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
+    def _part_group(
+        self, task: Task, part: _Part, rollout_ids: list[str], rollouts: list[_Rollout]
+    ) -> TrajectoryGroup | None:
+        """The group of one role, or None when fewer than 2 of its trajectories are ok (its
+        trajectories are then recorded as dropped)."""
+        trajectories = [
+            self._trajectory(task, part, rid, tid, r)
+            for rid, tid, r in zip(rollout_ids, part.trajectory_ids, rollouts)
+        ]
+        for t in trajectories:
+            if t.status != "ok":
+                self._record_drop(t.id, t.status, t.error, part.model)
+        ok = [t for t in trajectories if t.status == "ok"]
+        if len(ok) >= 2:
+            return TrajectoryGroup(
+                id=part.group_id, task=self.config.task_name, task_id=task.id, model=part.model,
+                trajectories=ok,
+            )
+        role = f" of role {part.role}" if self._team else ""
+        reason = (
+            f"group {part.group_id}{role} dropped: {len(ok)} of {len(trajectories)} rollouts ok "
+            "(need 2)"
+        )
+        for t in ok:
+            self._record_drop(t.id, "failed", reason, part.model)
+        self.stats.groups_dropped += 1
+        log.warning("%s", reason)
+        return None
+
+    def _trajectory(
+        self, task: Task, part: _Part, rollout_id: str, trajectory_id: str, rollout: _Rollout
+    ) -> Trajectory:
+        """One role's trajectory of one rollout: that role's calls, with the role's reward."""
+        cfg = self.config
+        result = rollout.result
+        status, error = result.status, result.error
+        calls = rollout.calls.get(part.role, [])
+        reward = result.reward
+        metadata = dict(rollout.metadata)
+        if result.error_type:
+            metadata["error_type"] = result.error_type
+        if self._team:
+            metadata["rollout_id"] = rollout_id  # the team's other parts carry it too
+        if status == "ok" and result.role_rewards:
+            unknown = sorted(set(result.role_rewards) - set(self._roles))
+            if unknown:
+                status, error = "failed", (
+                    f"the env's reward() named role {unknown[0]!r}, which task "
+                    f"{cfg.task_name} does not have (roles: {', '.join(self._roles)})"
+                )
+                metadata["error_type"] = "UnknownRole"
+            elif part.role in result.role_rewards:
+                reward = result.role_rewards[part.role]
+            elif calls:
+                status, error = "failed", (
+                    f"the env's reward() gave rewards for {', '.join(sorted(result.role_rewards))}"
+                    f" but not for role {part.role!r}, which made calls: score every role"
+                )
+                metadata["error_type"] = "MissingRoleReward"
+        if status == "ok" and not calls:  # a team rollout in which this role never spoke
+            status = "failed"
+            error = f"the agent never called role {part.role!r} in this rollout"
+            metadata["error_type"] = "NoLLMCalls"
+        return Trajectory(
+            id=trajectory_id,
+            group_id=part.group_id,
+            task=cfg.task_name,
+            task_id=task.id,
+            client_id=cfg.node,
+            client_revision=cfg.revision,
+            role=part.role,
+            calls=calls,
+            reward=reward,
+            status=status,  # type: ignore[arg-type]  # ok | failed | timeout by construction
+            error=error,
+            timings=dict(result.timings),
+            metadata=metadata,
+        )
+
+    async def _run_rollout(self, task: Task, rollout_id: str) -> _Rollout:
         cfg = self.config
         async with self._semaphore:
-            self.proxy.open(trajectory_id)
+            self.proxy.open(rollout_id)
+            roles = tuple(self._roles) if self._team else ()
             spec = RolloutSpec(
                 env=cfg.task.env,
                 env_args=dict(cfg.task.env_args),
                 agent=cfg.agent,
                 task=task,
-                base_url=self.proxy.base_url(trajectory_id),
-                model=cfg.model,
+                base_url=self.proxy.base_url(rollout_id),
+                model=roles[0] if roles else next(iter(self._roles.values())),
+                roles=roles,
             )
             try:
                 result = await self.runner.run(spec, cfg.task.rollout_timeout_s)
             finally:
-                timeline = self.proxy.close(trajectory_id)
-        calls = [c for c in timeline.calls if c.model == cfg.model]
-        if result.status == "ok" and not calls:
+                timeline = self.proxy.close(rollout_id)
+        calls = {role: timeline.calls_of(role) for role in self._roles}
+        if result.status == "ok" and not any(calls.values()):
             result = RolloutResult(
                 status="failed",
                 reward=result.reward,
@@ -173,23 +272,7 @@ class Producer:
             )
         self._count_rollout(result)
         metadata = {"reused_prompts": str(sum(t.reused for t in timeline.turns))}
-        if result.error_type:
-            metadata["error_type"] = result.error_type
-        return Trajectory(
-            id=trajectory_id,
-            group_id=group_id,
-            task=cfg.task_name,
-            task_id=task.id,
-            client_id=cfg.node,
-            client_revision=cfg.revision,
-            role="default",
-            calls=calls,
-            reward=result.reward,
-            status=result.status,  # type: ignore[arg-type]  # ok | failed | timeout by construction
-            error=result.error,
-            timings=dict(result.timings),
-            metadata=metadata,
-        )
+        return _Rollout(result, calls, metadata)
 
     def _count_rollout(self, result: RolloutResult) -> None:
         if result.status == "ok":
@@ -201,8 +284,9 @@ class Producer:
         self.metrics.rollouts.labels(task=self.config.task_name, outcome=result.status).inc()
         self.metrics.rollout_duration.observe(result.timings.get("rollout_s", 0.0))
 
-    def _record_drop(self, trajectory_id: str, reason: str, error: str) -> None:
-        self.spool.drop(trajectory_id, reason, error)  # type: ignore[arg-type]  # timeout | failed
+    def _record_drop(self, trajectory_id: str, reason: str, error: str, model: str) -> None:
+        # reason is timeout | failed by construction
+        self.spool.drop(trajectory_id, reason, error, model=model)  # type: ignore[arg-type]
         self.stats.drop(reason)
         self.metrics.dropped.labels(reason=reason).inc()
 

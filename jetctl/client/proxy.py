@@ -44,6 +44,7 @@ from jetctl.client.timeline import (
     tools_key,
     truncate_at_stop,
 )
+from jetctl.recipe import DEFAULT_ROLE
 from jetctl.types import LLMCall
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,18 @@ class Sampling:
 
 @dataclass
 class ServedModel:
-    """One model the proxy can reach."""
+    """One name a request may give as `model`: a model, or a role of a team task."""
 
-    name: str
+    name: str  # what the request names
     renderer: ChatRenderer
     backend: Backend
     max_context_tokens: int
+    model: str = ""  # the models: key whose server trains on these calls ('': name)
+    role: str = DEFAULT_ROLE  # the role these calls play (a team task's role name)
+
+    @property
+    def model_key(self) -> str:
+        return self.model or self.name
 
 
 class ProxyError(Exception):
@@ -144,9 +151,14 @@ class Proxy:
     """The OpenAI-compatible endpoint and the timelines of the rollouts in flight."""
 
     def __init__(
-        self, models: dict[str, ServedModel], default_model: str, sampling: Sampling = Sampling()
+        self,
+        models: dict[str, ServedModel],
+        default_model: str | None,
+        sampling: Sampling = Sampling(),
     ) -> None:
-        if default_model not in models:
+        """`models`: request name -> what serves it; `default_model`: the name a request
+        without `model` gets (None: such a request is refused, as for a team's roles)."""
+        if default_model is not None and default_model not in models:
             raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
         self.models = models
         self.default_model = default_model
@@ -156,6 +168,8 @@ class Proxy:
         self.port: int | None = None
         self.requests = 0
         self.errors = 0
+        # completion tokens the backends generated for this node's calls, by model key
+        self.tokens_generated: dict[str, int] = {}
         self._server: _NoSignalServer | None = None
         self._sock: socket.socket | None = None
         self.app = self._build_app()
@@ -271,7 +285,7 @@ class Proxy:
         served = self._served(body.get("model"))
 
         try:
-            plan = served.renderer.prompt_ids(timeline, messages, tools)
+            plan = served.renderer.prompt_ids(timeline, messages, tools, model=served.model_key)
         except Exception as e:  # a template error is the request's fault; report it, don't crash
             raise ProxyError(
                 400,
@@ -310,6 +324,8 @@ class Proxy:
             calls.discard(call_task)
             if not calls and self._generating.get(rollout_id) is calls:
                 del self._generating[rollout_id]
+        key = served.model_key
+        self.tokens_generated[key] = self.tokens_generated.get(key, 0) + len(result.completion_ids)
         ids, logprobs, finish = (
             list(result.completion_ids),
             list(result.completion_logprobs),
@@ -326,7 +342,7 @@ class Proxy:
         if reply.tool_calls:
             finish = "tool_calls"
         call = LLMCall(
-            model=served.name,
+            model=served.model_key,
             prompt_ids=plan.ids,
             completion_ids=ids,
             completion_logprobs=logprobs,
@@ -342,6 +358,7 @@ class Proxy:
                     reply.as_message(),
                     call,
                     plan.reused,
+                    served.role,
                 )
             )
         message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
@@ -364,16 +381,24 @@ class Proxy:
         }
 
     def _served(self, name: Any) -> ServedModel:
-        """The model a request names (none named: the task's model); another name is a 400,
-        never a silent switch: the server of that name would train on the call."""
+        """The model (or team role) a request names (none named: the task's model); another
+        name is a 400, never a silent switch: the server of that name would train on the call."""
+        known = ", ".join(sorted(self.models))
         if name is None:
+            if self.default_model is None:
+                raise ProxyError(
+                    400,
+                    f"this task is a team: name a role as model (one of {known})",
+                    code="model_not_found",
+                    param="model",
+                )
             return self.models[self.default_model]
         served = self.models.get(name) if isinstance(name, str) else None
         if served is None:
+            what = "models" if self.default_model is not None else "roles of this team"
             raise ProxyError(
                 400,
-                f"model {name!r} is not served on this node; known models: "
-                f"{', '.join(sorted(self.models))}",
+                f"model {name!r} is not served on this node; known {what}: {known}",
                 code="model_not_found",
                 param="model",
             )

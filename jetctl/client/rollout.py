@@ -31,7 +31,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,15 +54,33 @@ class RolloutSpec:
     task: Task
     base_url: str  # this rollout's proxy URL
     model: str
+    roles: tuple[str, ...] = ()  # a team task's roles (the names the agent may call)
 
 
 @dataclass
 class RolloutResult:
     status: str  # ok | failed | timeout
-    reward: float = 0.0
+    reward: float = 0.0  # the shared reward (with per-role rewards: their mean)
     error: str = ""
     error_type: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    role_rewards: dict[str, float] = field(default_factory=dict)  # {}: every role gets reward
+
+
+def read_reward(raw: object) -> tuple[float, dict[str, float]]:
+    """`session.reward()` as (shared reward, per-role rewards): a number is every role's
+    reward; a mapping role -> number gives each role its own (the shared one is their mean)."""
+    if isinstance(raw, Mapping):
+        if not raw:
+            raise ValueError("session.reward() returned an empty mapping: give each role a reward")
+        roles = {str(role): float(value) for role, value in raw.items()}
+        return sum(roles.values()) / len(roles), roles
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw), {}
+    raise TypeError(
+        f"session.reward() returned {type(raw).__name__}: return a number, or for a team a "
+        "mapping role -> number"
+    )
 
 
 def load_object(spec: str) -> Any:
@@ -101,14 +119,17 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         timings["open_s"] = time.monotonic() - t0
         try:
             t1 = time.monotonic()
-            _call_agent(agent, spec.task, LLM(base_url=spec.base_url, model=spec.model), session)
+            llm = LLM(base_url=spec.base_url, model=spec.model, roles=spec.roles)
+            _call_agent(agent, spec.task, llm, session)
             timings["agent_s"] = time.monotonic() - t1
             t2 = time.monotonic()
-            reward = float(session.reward())
+            reward, role_rewards = read_reward(session.reward())
             timings["reward_s"] = time.monotonic() - t2
         finally:
             session.close()
-        result = RolloutResult(status="ok", reward=reward, timings=timings)
+        result = RolloutResult(
+            status="ok", reward=reward, timings=timings, role_rewards=role_rewards
+        )
     except BaseException as e:  # noqa: BLE001  # the rollout's failure is data for the parent, whatever it is
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         if len(text) > MAX_ERROR_CHARS:

@@ -14,7 +14,10 @@ One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FUL
 * `dropped`  - one row per trajectory the node gave up on before sending (timeout | failed |
   dead-letter | lost), with the error text and traceback.
 
-The trajectory ids are what `jetctl.ledger` balances against the servers' stores.
+The trajectory ids are what `jetctl.ledger` balances against the servers' stores. Every
+row also names the model its trajectories are for (`model`; '' in spools written before
+teams, whose node served one model), so the ledger balances per model: a team task's node
+spools one group per role, each bound for its own model's server.
 
 The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
 node's job, and `bytes` is what it reads. Used from one thread of one process; sqlite's
@@ -72,6 +75,10 @@ CREATE INDEX IF NOT EXISTS inflight_group ON inflight (group_id);
 _ADDED_COLUMNS = (
     ("pending", "trajectory_ids", "TEXT NOT NULL DEFAULT ''"),
     ("outcomes", "trajectory_ids", "TEXT NOT NULL DEFAULT ''"),
+    ("inflight", "model", "TEXT NOT NULL DEFAULT ''"),
+    ("pending", "model", "TEXT NOT NULL DEFAULT ''"),
+    ("outcomes", "model", "TEXT NOT NULL DEFAULT ''"),
+    ("dropped", "model", "TEXT NOT NULL DEFAULT ''"),
 )
 
 
@@ -84,6 +91,16 @@ class PendingGroup:
     n_trajectories: int
     attempts: int
     created_at: float
+
+
+@dataclass(frozen=True)
+class SpooledGroup:
+    """One group to store with `put_all`: its serialized protobuf and its trajectory ids."""
+
+    id: str
+    payload: bytes
+    trajectory_ids: list[str]
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,15 +134,26 @@ class Spool:
 
     # ------------------------------------------------------------------ writes
 
-    def start(self, group_id: str, trajectory_ids: list[str], now: float | None = None) -> None:
+    def start(
+        self, group_id: str, trajectory_ids: list[str], now: float | None = None, model: str = ""
+    ) -> None:
         """Record the ids of rollouts about to start (one transaction for the group)."""
         t = time.time() if now is None else now
         with self._tx():
             self._db.executemany(
-                "INSERT OR IGNORE INTO inflight (trajectory_id, group_id, started_at)"
-                " VALUES (?, ?, ?)",
-                [(tid, group_id, t) for tid in trajectory_ids],
+                "INSERT OR IGNORE INTO inflight (trajectory_id, group_id, started_at, model)"
+                " VALUES (?, ?, ?, ?)",
+                [(tid, group_id, t, model) for tid in trajectory_ids],
             )
+
+    def label_unlabelled(self, model: str) -> int:
+        """Rows written before spools named their model ('') belong to `model`, the model of
+        the node that wrote them; returns how many pending groups that concerned."""
+        with self._tx():
+            n = self._db.execute("UPDATE pending SET model = ? WHERE model = ''", (model,)).rowcount
+            for table in ("inflight", "outcomes", "dropped"):
+                self._db.execute(f"UPDATE {table} SET model = ? WHERE model = ''", (model,))
+        return int(n)
 
     def recover_lost(self, error: str, now: float | None = None) -> int:
         """Rollouts an earlier process of this node left in progress become `dropped(lost)`.
@@ -133,8 +161,8 @@ class Spool:
         t = time.time() if now is None else now
         with self._tx():
             n = self._db.execute(
-                "INSERT OR IGNORE INTO dropped (trajectory_id, reason, error, time)"
-                " SELECT trajectory_id, 'lost', ?, ? FROM inflight",
+                "INSERT OR IGNORE INTO dropped (trajectory_id, reason, error, time, model)"
+                " SELECT trajectory_id, 'lost', ?, ?, model FROM inflight",
                 (error, t),
             ).rowcount
             self._db.execute("DELETE FROM inflight")
@@ -147,18 +175,34 @@ class Spool:
         n_trajectories: int,
         now: float | None = None,
         trajectory_ids: list[str] | None = None,
+        model: str = "",
     ) -> None:
         """Store a group durably (committed before return). Re-putting an id is a no-op.
         The group's rollouts leave `inflight` in the same transaction."""
         t = time.time() if now is None else now
         ids = ",".join(trajectory_ids or [])
         with self._tx():
-            self._db.execute(
-                "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
-                " next_attempt_at, trajectory_ids) VALUES (?, ?, ?, ?, 0, ?, ?)",
-                (group_id, payload, n_trajectories, t, t, ids),
-            )
-            self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
+            self._insert_pending(group_id, payload, n_trajectories, t, ids, model)
+
+    def put_all(self, groups: list[SpooledGroup], now: float | None = None) -> None:
+        """`put` for several groups in one transaction: a team's groups of one rollout batch
+        (one per role) are spooled together or not at all."""
+        t = time.time() if now is None else now
+        with self._tx():
+            for g in groups:
+                self._insert_pending(
+                    g.id, g.payload, len(g.trajectory_ids), t, ",".join(g.trajectory_ids), g.model
+                )
+
+    def _insert_pending(
+        self, group_id: str, payload: bytes, n: int, t: float, ids: str, model: str
+    ) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
+            " next_attempt_at, trajectory_ids, model) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
+            (group_id, payload, n, t, t, ids, model),
+        )
+        self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
 
     def ack(
         self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
@@ -169,14 +213,15 @@ class Spool:
         t = time.time() if now is None else now
         with self._tx():
             row = self._db.execute(
-                "SELECT n_trajectories, trajectory_ids FROM pending WHERE id = ?", (group_id,)
+                "SELECT n_trajectories, trajectory_ids, model FROM pending WHERE id = ?",
+                (group_id,),
             ).fetchone()
             if row is None:
                 return  # already acked (a retried Submit answered twice)
             self._db.execute(
                 "INSERT OR REPLACE INTO outcomes (group_id, n_trajectories, outcome, reason, time,"
-                " trajectory_ids) VALUES (?, ?, ?, ?, ?, ?)",
-                (group_id, row[0], outcome, reason, t, row[1]),
+                " trajectory_ids, model) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (group_id, row[0], outcome, reason, t, row[1], row[2]),
             )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
 
@@ -189,28 +234,37 @@ class Spool:
                 (t + delay_s, group_id),
             )
 
-    def retry_now(self, limit: int | None = None, now: float | None = None) -> int:
-        """Make deferred groups due now (the oldest `limit` of them, or all): the server is
-        reachable again, or a probe should go out. Attempts are kept. Returns how many."""
+    def retry_now(
+        self, limit: int | None = None, now: float | None = None, model: str | None = None
+    ) -> int:
+        """Make deferred groups due now (the oldest `limit` of them, or all; of `model` only,
+        when given): the server is reachable again, or a probe should go out. Attempts are
+        kept. Returns how many."""
         t = time.time() if now is None else now
+        of_model, args = _of_model(model)
         with self._tx():
             n = self._db.execute(
                 "UPDATE pending SET next_attempt_at = ? WHERE id IN (SELECT id FROM pending"
-                " WHERE next_attempt_at > ? ORDER BY created_at LIMIT ?)",
-                (t, t, -1 if limit is None else limit),
+                f" WHERE next_attempt_at > ?{of_model} ORDER BY created_at LIMIT ?)",
+                (t, t, *args, -1 if limit is None else limit),
             ).rowcount
         return int(n)
 
     def drop(
-        self, trajectory_id: str, reason: DropReason, error: str, now: float | None = None
+        self,
+        trajectory_id: str,
+        reason: DropReason,
+        error: str,
+        now: float | None = None,
+        model: str = "",
     ) -> None:
         """Record a trajectory the node will never send (timeout, failed, dead-letter)."""
         t = time.time() if now is None else now
         with self._tx():
             self._db.execute(
-                "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time)"
-                " VALUES (?, ?, ?, ?)",
-                (trajectory_id, reason, error, t),
+                "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time, model)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (trajectory_id, reason, error, t, model),
             )
             self._db.execute("DELETE FROM inflight WHERE trajectory_id = ?", (trajectory_id,))
 
@@ -219,38 +273,50 @@ class Spool:
         message cap): its trajectories become `dropped(dead-letter)`, in one transaction."""
         t = time.time()
         with self._tx():
+            row = self._db.execute("SELECT model FROM pending WHERE id = ?", (group_id,)).fetchone()
+            model = row[0] if row is not None else ""
             for tid in trajectory_ids:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time)"
-                    " VALUES (?, 'dead-letter', ?, ?)",
-                    (tid, error, t),
+                    "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time, model)"
+                    " VALUES (?, 'dead-letter', ?, ?, ?)",
+                    (tid, error, t, model),
                 )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
 
     # ------------------------------------------------------------------ reads
 
-    def due(self, limit: int, now: float | None = None) -> list[PendingGroup]:
-        """Up to `limit` pending groups whose next attempt is due, oldest first."""
+    def due(
+        self, limit: int, now: float | None = None, model: str | None = None
+    ) -> list[PendingGroup]:
+        """Up to `limit` pending groups whose next attempt is due, oldest first (of `model`
+        only, when given: each of a team's models has its own sender)."""
         t = time.time() if now is None else now
+        of_model, args = _of_model(model)
         rows = self._db.execute(
             "SELECT id, payload, n_trajectories, attempts, created_at FROM pending"
-            " WHERE next_attempt_at <= ? ORDER BY next_attempt_at, created_at LIMIT ?",
-            (t, limit),
+            f" WHERE next_attempt_at <= ?{of_model} ORDER BY next_attempt_at, created_at LIMIT ?",
+            (t, *args, limit),
         ).fetchall()
         return [PendingGroup(r[0], bytes(r[1]), r[2], r[3], r[4]) for r in rows]
 
-    def next_due_at(self) -> float | None:
+    def next_due_at(self, model: str | None = None) -> float | None:
         """When the earliest pending group becomes due (None when nothing is pending)."""
-        row = self._db.execute("SELECT MIN(next_attempt_at) FROM pending").fetchone()
+        of_model, args = _of_model(model)
+        row = self._db.execute(
+            f"SELECT MIN(next_attempt_at) FROM pending WHERE 1{of_model}", args
+        ).fetchone()
         return None if row[0] is None else float(row[0])
 
     def inflight(self) -> int:
         """Rollouts in progress (their ids are recorded, their group is not spooled yet)."""
         return int(self._db.execute("SELECT COUNT(*) FROM inflight").fetchone()[0])
 
-    def depth(self) -> int:
-        """Pending groups."""
-        return int(self._db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+    def depth(self, model: str | None = None) -> int:
+        """Pending groups (of `model` only, when given)."""
+        of_model, args = _of_model(model)
+        return int(
+            self._db.execute(f"SELECT COUNT(*) FROM pending WHERE 1{of_model}", args).fetchone()[0]
+        )
 
     def bytes(self) -> int:
         """Payload bytes of pending groups (the back-pressure figure)."""
@@ -294,6 +360,11 @@ class Spool:
 
     def _tx(self) -> _Transaction:
         return _Transaction(self._db)
+
+
+def _of_model(model: str | None) -> tuple[str, tuple[str, ...]]:
+    """A WHERE clause tail (and its argument) keeping the rows of `model`; None keeps all."""
+    return ("", ()) if model is None else (" AND model = ?", (model,))
 
 
 class _Transaction:

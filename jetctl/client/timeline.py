@@ -279,6 +279,7 @@ class Turn:
     reply: Message  # normalized assistant reply returned to the agent
     call: LLMCall
     reused: bool  # prompt_ids extended an earlier turn's ids
+    role: str = "default"  # the team role the request named (a task without roles: default)
 
 
 @dataclass
@@ -291,6 +292,10 @@ class Timeline:
     @property
     def calls(self) -> list[LLMCall]:
         return [t.call for t in self.turns]
+
+    def calls_of(self, role: str) -> list[LLMCall]:
+        """The calls that played `role`, in order: that role's part of the rollout."""
+        return [t.call for t in self.turns if t.role == role]
 
 
 @dataclass(frozen=True)
@@ -337,12 +342,21 @@ class ChatRenderer:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def prompt_ids(
-        self, timeline: Timeline, messages: list[Message], tools: list[Any] | None
+        self,
+        timeline: Timeline,
+        messages: list[Message],
+        tools: list[Any] | None,
+        model: str | None = None,
     ) -> PromptPlan:
-        """Prompt ids for `messages`: extend the latest matching earlier turn, else render fresh."""
+        """Prompt ids for `messages`: extend the latest matching earlier turn, else render fresh.
+
+        With `model`, only turns of that model count: a team's other models have their own
+        tokenizers, so their ids mean nothing here."""
         full = self.render(messages, tools, True)
         key = tools_key(tools)
         for turn in reversed(timeline.turns):
+            if model is not None and turn.call.model != model:
+                continue
             n = len(turn.messages)
             if turn.tools_key != key or len(messages) <= n:
                 continue

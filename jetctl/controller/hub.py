@@ -70,7 +70,7 @@ class Hub:
             if not node.managed:
                 node.started_at = time.time()
             tcfg = self.recipe.tasks[node.task]
-            refused = self.state.refused.get(tcfg.model, frozenset())
+            refused = self.state.refused.get(tcfg.models[0], frozenset())
         log.info("%s joined from %s (task %s, %s)", node.name, req.host or "?", node.task,
                  node.revision)
         return cpb.JoinReply(
@@ -91,7 +91,7 @@ class Hub:
         name = name or f"{task}-j{index}"
         tcfg = self.recipe.tasks[task]
         node = Node(
-            name=name, kind="client", model=tcfg.model, task=task, index=index,
+            name=name, kind="client", model=tcfg.models[0], task=task, index=index,
             revision=rev.revision, state="running", runtime="joined",
             agent=rev.agent if rev.revision == current.revision else None, host=host,
             started_at=time.time(),

@@ -228,7 +228,7 @@ class Reconciler:
         node = Node(
             name=client_node_name(task, index, rev.revision),
             kind="client",
-            model=tcfg.model,
+            model=tcfg.models[0],  # a team's node also reaches the task's other models
             task=task,
             index=index,
             revision=rev.revision,
@@ -376,9 +376,14 @@ class Reconciler:
                 elif node.state == "restarting" and now >= node.next_start_at:
                     self._start(node, restart=True)
                 elif node.state == "pending" and (
-                    node.kind == "server" or node.model in self.state.ever_ready
+                    node.kind == "server" or self._servers_were_ready(node)
                 ):
                     self._start(node, restart=False)
+
+    def _servers_were_ready(self, node: Node) -> bool:
+        """A client starts once each model its task trains (a team: several) was ready once."""
+        models = self.recipe.tasks[node.task].models if node.task in self.recipe.tasks else []
+        return all(m in self.state.ever_ready for m in models or [node.model])
 
     def _ready(self, node: Node) -> bool:
         if node.kind == "client":

@@ -147,10 +147,10 @@ class Swapper:
         old_revisions = sorted({n.revision for n in old} | {old_rev.revision})
         refused_note = ""
         if drop_old:
-            model = self.recipe.tasks[task].model
             entries = {f"{task}/{r}" for r in old_revisions}
-            if not self._refuse(model, entries):
-                refused_note = f" (server {model} has not confirmed the refusal yet)"
+            for model in self.recipe.tasks[task].models:  # a team: every model's server
+                if not self._refuse(model, entries):
+                    refused_note = f" (server {model} has not confirmed the refusal yet)"
         self._retire(old, grace_s)
         leftovers = self._spool_leftovers(old)
         msg = (

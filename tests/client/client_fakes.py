@@ -305,3 +305,13 @@ def slow_agent(task: Task, llm: LLM, session: EchoSession) -> None:
     )
     session.submit(reply.choices[0].message.content or "")
     time.sleep(1.0)
+
+
+def first_role_agent(task: Task, llm: LLM, session: Any) -> None:
+    """A team agent that calls only the first of its roles (the others never speak)."""
+    role = llm.roles[0]
+    reply = llm.client().chat.completions.create(
+        model=role, messages=[{"role": "user", "content": task.data["prompts"][role]}],
+        max_tokens=4,
+    )
+    session.submit(role, reply.choices[0].message.content or "")

@@ -54,7 +54,14 @@ class _ScriptedBackend:
 class ScriptedEndpoint:
     """Start with `with ScriptedEndpoint(script) as endpoint:`; `endpoint.llm` for the agent."""
 
-    def __init__(self, script: Callable[[str], str], chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        script: Callable[[str], str],
+        chat_template: str | None = None,
+        roles: tuple[str, ...] = (),
+    ) -> None:
+        """`roles`: serve a team's roles by name (each a role of model "policy") instead of
+        the model "policy"."""
         from jetctl.models import build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
@@ -63,9 +70,13 @@ class ScriptedEndpoint:
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         assert isinstance(eos, int)
         self.backend = _ScriptedBackend(tokenizer, eos, script)
-        served = ServedModel("policy", ChatRenderer(tokenizer, [eos]), self.backend, 1_000_000)
+        renderer = ChatRenderer(tokenizer, [eos])
+        served = {
+            name: ServedModel(name, renderer, self.backend, 1_000_000, "policy", name)
+            for name in roles
+        } or {"policy": ServedModel("policy", renderer, self.backend, 1_000_000)}
         # agents leave max_tokens to the endpoint: a script is never cut short
-        self.proxy = Proxy({"policy": served}, "policy", Sampling(max_tokens=100_000))
+        self.proxy = Proxy(served, None if roles else "policy", Sampling(max_tokens=100_000))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.timeline: Timeline | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from jetctl.client.spool import Spool
+from jetctl.client.spool import Spool, SpooledGroup
 from jetctl.controller.received import Received
 from jetctl.journal import SPOOL_TABLES, STORE_TABLES, Journal
 from jetctl.ledger import Ledger, ledger_from_files
@@ -27,8 +27,8 @@ from tests.factories import make_group
 pytestmark = pytest.mark.unit
 
 
-def _store(run_dir: Path, resumed_from: int = 0) -> TrajectoryStore:
-    store = TrajectoryStore(run_dir / "server-policy" / "store.sqlite", decode=GroupCodec())
+def _store(run_dir: Path, resumed_from: int = 0, model: str = "policy") -> TrajectoryStore:
+    store = TrajectoryStore(run_dir / f"server-{model}" / "store.sqlite", decode=GroupCodec())
     Journal.install(store.path, STORE_TABLES)  # as the server does, before it writes
     store.open(trained_through_step=resumed_from)
     return store
@@ -148,3 +148,47 @@ def test_one_trajectory_in_two_places_is_a_conflict(tmp_path: Path, build_ledger
     spool.drop(g.trajectories[0].id, "timeout", "and also dropped?")
     ledger = build_ledger(tmp_path)
     assert ledger.count("conflict") == 1 and not ledger.balanced
+
+
+def test_a_teams_books_balance_per_model_when_one_part_is_stale(
+    tmp_path: Path, build_ledger: Any
+) -> None:
+    """A team's rollouts make one group per model; the planner's part is trained, the coder's
+    is refused as stale: each is accounted for on the client and on its own server."""
+    planner, coder = _store(tmp_path, model="planner"), _store(tmp_path, model="coder")
+    spool = _spool(tmp_path, "team-0")
+    parts = {"planner": make_group(model="planner"), "coder": make_group(model="coder")}
+    for model, g in parts.items():
+        spool.start(g.id, [t.id for t in g.trajectories], model=model)
+    spool.put_all([
+        SpooledGroup(g.id, group_to_pb(g).SerializeToString(), [t.id for t in g.trajectories],
+                     model)
+        for model, g in parts.items()
+    ])
+    _submit(planner, spool, parts["planner"])
+    planner.take(1, 1.0)
+    planner.mark_trained([parts["planner"].id], step=1)
+    _submit(coder, spool, parts["coder"], outcome="stale")
+    spool.start("g-next", ["n1", "n2"], model="coder")  # the coder's next part, running
+
+    ledger = build_ledger(tmp_path)
+    s = ledger.summary()
+    assert s["balanced"] and s["trained"] == 2 and s["rejected"] == {"stale": 2}
+    assert s["by_model"]["planner"] == {
+        "produced": 2, "trained": 2, "rejected": {}, "dropped": {}, "in_flight": {},
+        "awaiting_reports": 0, "lost": 0, "problems": 0, "balanced": True}
+    assert s["by_model"]["coder"] == {
+        "produced": 4, "trained": 0, "rejected": {"stale": 2}, "dropped": {},
+        "in_flight": {"rollout": 2}, "awaiting_reports": 0, "lost": 0, "problems": 0,
+        "balanced": True}
+    assert "model coder: produced 4" in ledger.render()
+
+    # an ack for a part the coder's server never stored unbalances the coder's books only
+    lost = make_group(model="coder")
+    spool.start(lost.id, [t.id for t in lost.trajectories], model="coder")
+    spool.put(lost.id, group_to_pb(lost).SerializeToString(), 2,
+              trajectory_ids=[t.id for t in lost.trajectories], model="coder")
+    spool.ack(lost.id, "accepted")
+    s = build_ledger(tmp_path).summary()
+    assert not s["by_model"]["coder"]["balanced"] and s["by_model"]["coder"]["lost"] == 2
+    assert s["by_model"]["planner"]["balanced"]
