@@ -7,6 +7,11 @@ For each kind it starts a real `jetctl server --no-train` (the model's recipe wi
 warm (the version's payload is cached). Reports bytes, seconds, MB/s and the CPU seconds of
 the server and of the pulling client, side by side.
 
+With `floor`, each kind is first pulled from a bare `grpc.aio` server that streams the same
+number of bytes in the same 4 MiB frames by a bare `grpc.aio` client that only counts them
+(no auth, no checks, no hash, no join): what gRPC in Python alone moves on this machine, the
+ceiling for any PullWeights.
+
 Left out: TLS, a pull across machines, and applying the weights to a local model (`jetctl
 client`'s `LocalEngine.apply`, a cost of its own).
 """
@@ -14,11 +19,15 @@ client`'s `LocalEngine.apply`, a cost of its own).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jetctl.bench.serve import BenchServer
+
+FLOOR_FRAME_BYTES = 4 << 20  # the server's CHUNK_BYTES
 
 KINDS = ("full", "lora")
 RECIPE = """
@@ -38,7 +47,7 @@ tasks:
 @dataclass(frozen=True)
 class PullResult:
     kind: str  # full | lora
-    phase: str  # cold | warm
+    phase: str  # floor | cold | warm
     bytes: int
     seconds: float  # wall time of one pull, median over the phase's pulls
     server_cpu_s: float  # per pull
@@ -74,24 +83,103 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
-def measure(model: str, kind: str, repeats: int) -> list[PullResult]:
+def measure(model: str, kind: str, repeats: int, floor: bool = False) -> list[PullResult]:
     with BenchServer(RECIPE.format(model=model, kind=kind), train=False) as server:
         cold = asyncio.run(_pull_once(server))
         warm = [asyncio.run(_pull_once(server)) for _ in range(repeats)]
+    floor_rows = [_floor(kind, cold[0], max(repeats, 1))] if floor else []
     out = [PullResult(kind, "cold", cold[0], cold[1], cold[2], cold[3], 1)]
     if warm:
         out.append(PullResult(
             kind, "warm", warm[0][0], _median([w[1] for w in warm]),
             _median([w[2] for w in warm]), _median([w[3] for w in warm]), len(warm),
         ))
-    return out
+    return floor_rows + out
 
 
 def run(model: str = "builtin:smollm2-135m-instruct", kinds: tuple[str, ...] = KINDS,
-        repeats: int = 3, on_kind: Callable[[str], None] | None = None) -> list[PullResult]:
+        repeats: int = 3, on_kind: Callable[[str], None] | None = None,
+        floor: bool = False) -> list[PullResult]:
     results: list[PullResult] = []
     for kind in kinds:
         if on_kind is not None:
             on_kind(kind)
-        results += measure(model, kind, repeats)
+        results += measure(model, kind, repeats, floor)
     return results
+
+
+# --- the floor: gRPC alone -----------------------------------------------------------
+
+
+def _floor(kind: str, total: int, pulls: int) -> PullResult:
+    """`pulls` pulls of `total` bytes from a bare gRPC server (median)."""
+    import psutil
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_floor_main, args=(ports, total), daemon=True)
+    proc.start()
+    try:
+        endpoint = f"127.0.0.1:{ports.get(timeout=120)}"
+        ps = psutil.Process(proc.pid)
+
+        def server_cpu() -> float:
+            t = ps.cpu_times()
+            return float(t.user + t.system)
+
+        runs = []
+        for _ in range(pulls + 1):  # the first warms the channel and the server's frames up
+            s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
+            got = asyncio.run(_floor_pull(endpoint))
+            runs.append((time.perf_counter() - t0, server_cpu() - s0, time.process_time() - c0))
+            if got != total:
+                raise RuntimeError(f"the floor server sent {got} of {total} bytes")
+    finally:
+        proc.terminate()
+        proc.join(30)
+    runs = runs[1:]
+    return PullResult(kind, "floor", total, _median([r[0] for r in runs]),
+                      _median([r[1] for r in runs]), _median([r[2] for r in runs]), len(runs))
+
+
+async def _floor_pull(endpoint: str) -> int:
+    import grpc
+
+    from jetctl.proto._gen import swarm_pb2 as pb
+
+    async with grpc.aio.insecure_channel(
+        endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as channel:
+        pull = channel.unary_stream("/jetctl.swarm.v1.Swarm/PullWeights",
+                                    request_serializer=pb.PullWeightsRequest.SerializeToString,
+                                    response_deserializer=None)
+        got = 0
+        async for frame in pull(pb.PullWeightsRequest(have_version=-1)):
+            got += len(frame)
+        return got
+
+
+def _floor_main(ports: Any, total: int) -> None:
+    """A grpc.aio server whose PullWeights streams `total` bytes as 4 MiB frames, made once."""
+    import grpc
+
+    frames = [bytes(min(FLOOR_FRAME_BYTES, total - off))
+              for off in range(0, total, FLOOR_FRAME_BYTES)]
+
+    async def pull_weights(_raw: bytes, _context: Any) -> Any:
+        for frame in frames:
+            yield frame
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler("jetctl.swarm.v1.Swarm", {
+            "PullWeights": grpc.unary_stream_rpc_method_handler(pull_weights, None, None),
+        })
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+

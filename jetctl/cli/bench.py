@@ -84,6 +84,9 @@ def register(app: typer.Typer) -> None:
             "builtin:smollm2-135m-instruct"),
         kinds: Annotated[str, typer.Option(help="Comma-separated: full, lora.")] = "full,lora",
         repeats: Annotated[int, typer.Option(help="Warm pulls per kind (median).")] = 3,
+        floor: Annotated[bool, typer.Option(
+            help="Also pull the same bytes from a bare gRPC server with a bare gRPC client "
+                 "(no checks, no hash): what gRPC alone moves on this machine.")] = False,
     ) -> None:
         """PullWeights MB/s on loopback: full weights and a LoRA adapter, cold and warm."""
         from rich.console import Console
@@ -104,21 +107,27 @@ def register(app: typer.Typer) -> None:
             console = Console(width=max(console.width, 140))
         try:
             with console.status("starting a server...") as status:
-                results = bp.run(model, chosen, repeats, on_kind=lambda k: status.update(
+                results = bp.run(model, chosen, repeats, floor=floor,
+                                 on_kind=lambda k: status.update(
                     f"{k}: starting a server with finetune {k} and pulling its weights..."))
         except BenchError as exc:
             fail(str(exc))
         table = Table(title=f"jetctl bench pull: {model}, loopback, plaintext")
-        for col in ("kind", "pull", "MB", "seconds", "MB/s", "server CPU s", "client CPU s"):
+        for col in ("kind", "pull", "MB", "seconds", "MB/s", "server CPU s", "client CPU s",
+                    "vs floor"):
             table.add_column(col, justify="right")
+        floors = {r.kind: r.mb_per_s for r in results if r.phase == "floor"}
         for r in results:
+            vs = f"{r.mb_per_s / floors[r.kind]:.2f}x" if r.kind in floors else ""
             table.add_row(r.kind, f"{r.phase}" + (f" (median of {r.pulls})" if r.pulls > 1 else ""),
                           f"{r.bytes / 1e6:,.1f}", f"{r.seconds:.3f}", f"{r.mb_per_s:,.0f}",
-                          f"{r.server_cpu_s:.2f}", f"{r.client_cpu_s:.2f}")
+                          f"{r.server_cpu_s:.2f}", f"{r.client_cpu_s:.2f}", vs)
         console.print(table)
         console.print("cold: the first pull of a version (the server serializes and hashes it "
                       "once); warm: later pulls of the same version. The client is "
-                      "SwarmTransport.pull_weights: chunks reassembled, size and sha256 checked.",
+                      "SwarmTransport.pull_weights: chunks reassembled, size and sha256 checked."
+                      + (" floor: the same bytes in the same frames, bare gRPC server to bare "
+                         "gRPC client (no checks, no hash, no join)." if floor else ""),
                       highlight=False)
 
     @bench.command("scale")

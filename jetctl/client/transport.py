@@ -42,6 +42,7 @@ from tenacity import (
 from jetctl.auth import bearer
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
+from jetctl.proto.convert import ChunkView, read_weights_chunk
 from jetctl.rundir import RunPaths, read_json
 from jetctl.tls import TlsFiles
 
@@ -54,6 +55,7 @@ T = TypeVar("T")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 BOOTSTRAP_MESSAGE_BYTES = 64 * 1024 * 1024
+PULL_WEIGHTS = "/jetctl.swarm.v1.Swarm/PullWeights"
 
 
 class EndpointNotFound(Exception):
@@ -262,8 +264,15 @@ class SwarmTransport:
 
     async def pull_weights(self, have_version: int) -> Weights | None:
         """The server's current weights if newer than `have_version`, else None."""
-        stub = await self._ensure_channel()
-        stream = stub.PullWeights(
+        await self._ensure_channel()
+        assert self._channel is not None
+        # raw frames, read by `read_weights_chunk`: each chunk's data stays a view into the
+        # bytes gRPC delivered until the one join at the end
+        pull = self._channel.unary_stream(
+            PULL_WEIGHTS, request_serializer=pb.PullWeightsRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        stream = pull(
             pb.PullWeightsRequest(have_version=have_version),
             metadata=self._metadata(),
             timeout=max(self.call_timeout_s, 600.0),
@@ -271,11 +280,15 @@ class SwarmTransport:
         # hashed as the chunks arrive (hashlib drops the GIL for large updates, so this
         # overlaps with gRPC receiving the next ones) and joined once at the end
         digest = hashlib.sha256()
-        parts: list[bytes] = []
+        parts: list[memoryview] = []
         received = 0
-        first: pb.WeightsChunk | None = None
+        first: ChunkView | None = None
         try:
-            async for chunk in stream:
+            async for frame in stream:
+                try:
+                    chunk = read_weights_chunk(frame)
+                except ValueError as e:
+                    raise WeightsError(f"PullWeights sent a malformed chunk: {e}") from None
                 if first is None:
                     first = chunk
                 if chunk.version != first.version or chunk.sha256 != first.sha256:

@@ -7,6 +7,7 @@ trainer turns them into dataclasses (`group_from_pb`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jetctl.proto._gen import swarm_pb2 as pb
@@ -95,6 +96,9 @@ def group_from_pb(m: pb.TrajectoryGroup) -> TrajectoryGroup:
 
 
 SUBMIT_GROUPS_FIELD = 1  # SubmitRequest.groups
+# WeightsChunk's field numbers (swarm.proto)
+WC_VERSION, WC_FORMAT, WC_KIND, WC_TOTAL_BYTES, WC_OFFSET, WC_DATA, WC_SHA256 = range(1, 8)
+WC_ADAPTER_CONFIG = 8
 
 
 def group_payloads(raw: bytes, request: pb.SubmitRequest) -> list[bytes]:
@@ -150,6 +154,61 @@ def _varint(raw: bytes, i: int) -> tuple[int, int]:
         if b < 0x80:
             return value, i
         shift += 7
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A `WeightsChunk` read from its wire bytes; `data` is a view into them, not a copy."""
+
+    version: int
+    format: str
+    kind: str
+    total_bytes: int
+    offset: int
+    data: memoryview
+    sha256: str
+    adapter_config_json: str
+
+
+def read_weights_chunk(raw: bytes) -> ChunkView:
+    """A serialized `WeightsChunk` without the copies of a protobuf parse (the client's
+    PullWeights reads hundreds of megabytes: upb copies `data` into its arena and again into
+    a `bytes` on access). Follows protobuf's rules: the last occurrence of a field wins and
+    unknown fields are skipped. Raises ValueError on bytes that are not such a message."""
+    view = memoryview(raw)
+    ints = {WC_VERSION: 0, WC_TOTAL_BYTES: 0, WC_OFFSET: 0}
+    blobs: dict[int, memoryview] = {}
+    i, end = 0, len(raw)
+    while i < end:
+        key, i = _varint(raw, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(raw, i)
+            if number in ints:
+                ints[number] = value - (1 << 64) if value >= 1 << 63 else value  # int64
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = _varint(raw, i)
+            blobs[number] = view[i : i + length]
+            i += length
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"wire type {wire} at byte {i}")
+    if i != end:
+        raise ValueError("a field runs past the end of the message")
+
+    def text(number: int) -> str:
+        blob = blobs.get(number)
+        return str(blob, "utf-8") if blob is not None else ""
+
+    return ChunkView(
+        version=ints[WC_VERSION], format=text(WC_FORMAT), kind=text(WC_KIND),
+        total_bytes=ints[WC_TOTAL_BYTES], offset=ints[WC_OFFSET],
+        data=blobs.get(WC_DATA, view[0:0]), sha256=text(WC_SHA256),
+        adapter_config_json=text(WC_ADAPTER_CONFIG),
+    )
 
 
 def weight_frames(payload: WeightsPayload, chunk_bytes: int) -> list[bytes]:

@@ -59,9 +59,12 @@ def test_bench_ingest_acks_durably_and_accounts_for_every_group() -> None:
 @pytest.mark.timeout(300)
 def test_bench_pull_verifies_full_weights_and_an_adapter() -> None:
     result = CliRunner().invoke(build_app(), [
-        "bench", "pull", "--model", "builtin:tiny", "--repeats", "1",
+        "bench", "pull", "--model", "builtin:tiny", "--repeats", "1", "--floor",
     ])
     assert result.exit_code == 0, result.output
     for kind in ("full", "lora"):
-        assert re.search(rf"{kind}\s+│\s+cold", result.output), result.output
-        assert re.search(rf"{kind}\s+│\s+warm", result.output), result.output
+        for phase in ("floor", "cold", "warm"):
+            assert re.search(rf"{kind}\s+│\s+{phase}", result.output), result.output
+    # every row of a kind moved the same bytes as its floor
+    sizes = re.findall(r"(full|lora)\s+│\s+(?:floor|cold|warm)\s+│\s+([\d.,]+)", result.output)
+    assert len({s for s in sizes if s[0] == "full"}) == 1, result.output
