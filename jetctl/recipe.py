@@ -176,9 +176,29 @@ class TrainConfig(_Strict):
     )
     mix: dict[str, float] = Field(
         default={},
-        description="PLANNED, refused today: task -> share of each batch (mixing ratios). A "
-        "server's batches take groups in the order they arrive, whatever their task",
+        description="task -> share of each batch's groups, e.g. {web: 0.5, code: 0.3, api: 0.2}"
+        " (shares sum to 1; every task training this model named). {}: batches take groups "
+        "in the order they arrive, whatever their task",
     )
+    mix_wait_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="with mix: how long a batch waits for a task short of its share before "
+        "other tasks' groups fill its slots (counted; the task shown starving)",
+    )
+
+    @field_validator("mix")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {t: v for t, v in value.items() if not v > 0}
+        if bad:
+            raise ValueError(f"every share must be > 0, got {bad}: remove the task or give it "
+                             "a share")
+        total = sum(value.values())
+        if value and abs(total - 1.0) > 1e-6:
+            raise ValueError(f"shares sum to {total:g}, not 1: scale them, e.g. "
+                             + ", ".join(f"{t}: {v / total:.3g}" for t, v in value.items()))
+        return value
 
 
 class CheckpointConfig(_Strict):
@@ -370,14 +390,13 @@ class ModelConfig(_Strict):
                     "reserves nothing): remove it or set runtime: ray",
                 )
             )
-        if self.train.mix:
+        if "mix_wait_s" in self.train.model_fields_set and not self.train.mix:
             problems.append(
                 Problem(
-                    ("train", "mix"),
-                    self.train.mix,
-                    "mixing ratios are planned, not built: a server's batches take groups in "
-                    "the order they arrive, whatever their task; remove mix: (to give a task a "
-                    "larger share today, give it more clients or a larger concurrency)",
+                    ("train", "mix_wait_s"),
+                    self.train.mix_wait_s,
+                    "only applies with train.mix (no mix: batches never wait for a task): "
+                    "remove it or give mix:",
                 )
             )
         if self.port and self.port == self.metrics_port:
@@ -771,6 +790,7 @@ def _recipe_problems(
             for p in _task_model_problems(name, at, model_key, model_names, known, models, tasks):
                 if p not in problems:  # two roles on models with the same caps: once
                     problems.append(p)
+    problems += _mix_problems(models, tasks)
     taken: dict[tuple[str, int], str] = {}
     for name, model in models.items():
         for key in ("port", "metrics_port"):
@@ -785,6 +805,35 @@ def _recipe_problems(
                         f"is already used by {other}: use another port, or 0 to pick one",
                     )
                 )
+    return problems
+
+
+def _mix_problems(
+    models: Mapping[str, ModelConfig], tasks: Mapping[str, TaskConfig]
+) -> list[Problem]:
+    """Each model's `train.mix` names exactly the tasks that train it."""
+    problems: list[Problem] = []
+    for name, model in models.items():
+        mix = model.train.mix
+        if not mix:
+            continue
+        training = [t for t, c in tasks.items() if name in c.models]
+        for task in mix:
+            if task not in training:
+                close = difflib.get_close_matches(task, training, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                problems.append(Problem(
+                    ("models", name, "train", "mix", task), mix[task],
+                    f"{task!r} is not a task that trains {name} (those: "
+                    f"{', '.join(training) or 'none'}){hint}",
+                ))
+        missing = [t for t in training if t not in mix]
+        if missing:
+            problems.append(Problem(
+                ("models", name, "train", "mix"), mix,
+                f"gives no share to {', '.join(missing)}, which train(s) {name}: give every "
+                "task of this model a share",
+            ))
     return problems
 
 

@@ -215,6 +215,11 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "last_step": f.get("last_step") or {},
         "received_by_task": {k: int(v) for k, v in (f.get("received_by_task") or {}).items()},
         "reward_by_task": {k: float(v) for k, v in (f.get("reward_by_task") or {}).items()},
+        # train.mix: each mixed task's share of the recent batches, and the starving ones
+        "batch_share_by_task": {
+            k: float(v) for k, v in (f.get("batch_share_by_task") or {}).items()
+        },
+        "starving_tasks": list(f.get("starving_tasks") or []),
         # while it starts: what the server process is doing (server-<model>/phase.json)
         "phase": f.get("phase") if node.state == "starting" else None,
         "phase_since": f.get("phase_since") if node.state == "starting" else None,
@@ -279,13 +284,15 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     its nodes' revisions, nodes up, rollouts, spool, the trajectories the servers received
     from it (`received_by_task`, summed over the servers) and the mean reward of its last 32
     accepted groups on each server training it (`reward_by_model`; `reward`: their mean, the
-    one server's for a task of one model)."""
+    one server's for a task of one model); with `train.mix`, its share of the recent batches
+    (`batch_share`) and whether the batches wait for it or back-fill its slots (`starving`)."""
     tasks: dict[str, dict[str, Any]] = {}
 
     def entry(task: str) -> dict[str, Any]:
         return tasks.setdefault(task, {"models": [], "roles": {}, "revisions": [], "nodes": 0,
                                        "up": 0, "rollouts_done": 0, "spool_depth": 0,
-                                       "received": 0, "reward": None, "reward_by_model": {}})
+                                       "received": 0, "reward": None, "reward_by_model": {},
+                                       "batch_share": None, "starving": False})
 
     for c in doc["clients"]:
         e = entry(c["task"])
@@ -307,6 +314,10 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
             e["reward_by_model"][srv["model"]] = float(reward)
             if srv["model"] not in e["models"]:
                 e["models"].append(srv["model"])
+        for task, share in (srv.get("batch_share_by_task") or {}).items():
+            entry(task)["batch_share"] = float(share)
+        for task in srv.get("starving_tasks") or []:
+            entry(task)["starving"] = True
     for e in tasks.values():
         rewards = list(e["reward_by_model"].values())
         e["reward"] = sum(rewards) / len(rewards) if rewards else None
@@ -316,6 +327,14 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def trains_on(entry: dict[str, Any]) -> str:
     """A task's models as the tasks table shows them: `model`, or a team's `role:model`s."""
     return models_of(entry.get("roles") or {}, entry.get("models") or [])
+
+
+def batch_share(entry: dict[str, Any]) -> str:
+    """A mixed task's share of the recent batches, and `starving` when it falls short."""
+    share = entry.get("batch_share")
+    if share is None:
+        return "-"
+    return f"{share:.2f}" + (" starving" if entry.get("starving") else "")
 
 
 def task_reward(entry: dict[str, Any]) -> str:
@@ -459,7 +478,7 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
     t = Table(title="tasks", title_justify="left", caption=TASKS_CAPTION, caption_justify="left",
               box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
     for col in ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
-                "reward", "restarts"):
+                "reward", "batch share", "restarts"):
         t.add_column(col, justify="left" if col in ("task", "model", "rev") else "right",
                      no_wrap=col != "model")
     summary = doc.get("tasks") or task_summary(doc)
@@ -476,7 +495,7 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
             task, trains_on(e), ",".join(e.get("revisions") or []) or "-",
             f"{sum(1 for c in nodes if c['process_state'] == 'running')}/{wanted}",
             _fmt(e.get("rollouts_done", 0)), str(failed), _fmt(e.get("received", 0)),
-            task_reward(e), str(sum(c["restarts"] for c in nodes)),
+            task_reward(e), batch_share(e), str(sum(c["restarts"] for c in nodes)),
         )
     return t
 

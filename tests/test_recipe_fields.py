@@ -288,9 +288,21 @@ def train_algorithm(_: Path) -> None:
 
 
 def train_mix(_: Path) -> None:
+    """Validation here; what a mix does to the batches: tests/server/test_mixing.py."""
     assert recipe().models["policy"].train.mix == {}
-    refused('models.policy.train.mix = {"digits": 1.0}: mixing ratios are planned, not built',
-            models={"policy": {"train": {"mix": {"digits": 1.0}}}})
+    assert recipe(models={"policy": {"train": {"mix": {"digits": 1.0}}}}).models[
+        "policy"].train.mix == {"digits": 1.0}
+    refused("shares sum to 0.8, not 1", models={"policy": {"train": {"mix": {"digits": 0.8}}}})
+    refused("'digit' is not a task that trains policy (those: digits); did you mean 'digits'?",
+            models={"policy": {"train": {"mix": {"digits": 0.5, "digit": 0.5}}}})
+    refused("gives no share to digits", tasks={"web": {
+        "env": "envs.digits:make_env", "agent": "agents.digits:agent", "model": "policy"}},
+        models={"policy": {"train": {"mix": {"web": 1.0}}}})
+
+
+def train_mix_wait_s(_: Path) -> None:
+    assert recipe().models["policy"].train.mix_wait_s == 10.0
+    refused("only applies with train.mix", models={"policy": {"train": {"mix_wait_s": 5}}})
 
 
 def train_groups_per_step(tmp_path: Path) -> None:
@@ -608,6 +620,7 @@ ROWS: dict[str, Row] = {
     "models.<name>.train.max_tokens_per_microbatch": Effect(train_max_tokens_per_microbatch),
     "models.<name>.train.max_steps": Effect(train_max_steps),
     "models.<name>.train.mix": Effect(train_mix),
+    "models.<name>.train.mix_wait_s": Effect(train_mix_wait_s),
     "models.<name>.checkpoint.every_steps": CoveredBy(
         (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
     "models.<name>.checkpoint.keep": CoveredBy(

@@ -50,7 +50,8 @@ def test_document_shape_and_types() -> None:
     assert doc["tasks"] == {"arith": {"models": ["policy"], "roles": {}, "revisions": ["r0"],
                                       "nodes": 2, "up": 1, "rollouts_done": 12,
                                       "spool_depth": 2, "received": 48, "reward": 0.625,
-                                      "reward_by_model": {"policy": 0.625}}}
+                                      "reward_by_model": {"policy": 0.625},
+                                      "batch_share": None, "starving": False}}
     (s,) = doc["servers"]
     assert s["version"] == 7 and s["buffer_depth"] == 3 and s["accepted"] == 40
     assert s["rejected"] == {"stale": 2, "invalid": 1} and s["trained"] == 32
@@ -236,3 +237,24 @@ def test_status_of_a_finished_run_is_its_summary(tmp_path: Path) -> None:
     for shown in ("finished", "duration_s (900s) elapsed", "ran 15m30s", "0.775",
                   "step-00000020", "balanced", "reward_curve.png"):
         assert shown in res.output, (shown, res.output)
+
+
+def test_a_mixed_tasks_share_of_the_batches_and_starving_are_shown() -> None:
+    """train.mix: the server reports each task's share of its recent batches and the tasks
+    its batches wait for; the tasks table shows both."""
+    figures = {**SERVER_FIGURES, "received_by_task": {"web": "30", "api": "10"},
+               "batch_share_by_task": {"web": 0.5, "api": 0.5}, "starving_tasks": ["api"]}
+    doc = document(cpb.RunStatusReply(
+        run="t", run_dir="/runs/t", state="running",
+        nodes=[cpb.NodeStatus(name="server-policy", kind="server", model="policy",
+                              state="running", json=json.dumps(figures))],
+    ))
+    assert doc["tasks"]["api"]["batch_share"] == 0.5 and doc["tasks"]["api"]["starving"]
+    assert doc["tasks"]["web"]["batch_share"] == 0.5 and not doc["tasks"]["web"]["starving"]
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(render_status(doc))
+    rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
+    assert "0.50 starving" in rows["api"] and "0.50" in rows["web"]
+    assert "starving" not in rows["web"]

@@ -283,6 +283,8 @@ class SwarmService:
         window = min(60.0, max(time.time() - self.started, 1e-3))
         recent = f.recent_rewards[-64:]
         no_signal, signal = f.signal()
+        mix = self.trainer.mix
+        mixed = mix.figures() if mix is not None else {}
         return pb.StatusReply(
             model=self.model_name,
             model_source=self.model_source,
@@ -307,6 +309,9 @@ class SwarmService:
             no_signal_recent=no_signal,
             signal=signal,
             skipped_groups=f.skipped_groups,
+            batch_share_by_task={t: m["share"] for t, m in mixed.items()},
+            backfilled_by_task=dict(mix.backfilled_total) if mix is not None else {},
+            starving_tasks=sorted(t for t, m in mixed.items() if m["starving"]),
         )
 
 

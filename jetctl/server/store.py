@@ -29,13 +29,14 @@ Left out: a remote (fsspec) store.
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -379,17 +380,33 @@ class TrajectoryStore:
 
     # --- the trainer's side ----------------------------------------------------------
 
-    def take(self, n: int, timeout_s: float) -> list[StoredGroup]:
-        """Up to n buffered groups, oldest first; waits up to timeout_s for the first n."""
+    def take(
+        self, n: int, timeout_s: float, tasks: Collection[str] | None = None
+    ) -> list[StoredGroup]:
+        """Up to n buffered groups, oldest first (of `tasks` only, when given: the batch
+        builder's mixing ratios); waits up to timeout_s for the first n."""
         deadline = time.monotonic() + timeout_s
+
+        def matching() -> list[StoredGroup]:
+            if tasks is None:
+                return list(itertools.islice(self._buffer, n))
+            return list(itertools.islice((s for s in self._buffer if s.facts.task in tasks), n))
+
         with self._buffer_cond:
-            while len(self._buffer) < n and not self._closed:
+            found = matching()
+            while len(found) < n and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._buffer_cond.wait(left)
-            taken = [self._buffer.popleft() for _ in range(min(n, len(self._buffer)))]
-        return taken
+                found = matching()
+            if tasks is None:
+                for _ in found:
+                    self._buffer.popleft()
+            else:
+                chosen = {id(s) for s in found}
+                self._buffer = deque(s for s in self._buffer if id(s) not in chosen)
+        return found
 
     def give_back(self, groups: list[StoredGroup]) -> None:
         """Return groups that were taken but not trained (front of the queue, same order)."""

@@ -33,7 +33,7 @@ import json
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +50,7 @@ from jetctl.server import weights as W
 from jetctl.server.adapter import adapter_mode
 from jetctl.server.algorithms.grpo import LossStats, group_advantages, grpo_loss
 from jetctl.server.locks import WeightsLock
+from jetctl.server.mixing import BatchMix
 from jetctl.server.store import StoredGroup, TrajectoryStore
 
 
@@ -222,6 +223,12 @@ class Trainer:
         self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
         self._skipped: list[StoredGroup] = []  # consumed without signal since the last step
         self._gather_since: float | None = None
+        mix = cfg.train.mix
+        self.mix = (
+            BatchMix(dict(mix), cfg.train.groups_per_step, cfg.train.mix_wait_s) if mix else None
+        )
+        self._quota: dict[str, int] | None = None  # the batch being gathered's slots per task
+        self._held_up: set[str] = set()  # tasks this batch waited for, the others full
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -267,11 +274,23 @@ class Trainer:
 
     def step_once(self, wait_s: float) -> dict[str, float] | None:
         """Train on groups_per_step informative groups once they are in; returns the step
-        scalars (None while still gathering). Groups without signal are consumed on the way."""
+        scalars (None while still gathering). Groups without signal are consumed on the way.
+        With `train.mix`, each task fills its share of the batch (`_step_mixed`)."""
         tc = self.cfg.train
         if self._gather_since is None:
             self._gather_since = time.monotonic()
-        taken = self.store.take(tc.groups_per_step - len(self._ready), timeout_s=wait_s)
+        if self.mix is not None:
+            return self._step_mixed(self.mix, wait_s)
+        self._consume(self.store.take(tc.groups_per_step - len(self._ready), timeout_s=wait_s))
+        if len(self._ready) < tc.groups_per_step:
+            return None
+        batch, self._ready = self._ready[: tc.groups_per_step], self._ready[tc.groups_per_step :]
+        return self._close(batch)
+
+    def _consume(self, taken: list[StoredGroup]) -> None:
+        """Taken groups: too stale ones rejected, ones without signal consumed at this
+        version, informative ones gathered for a step (`_ready`)."""
+        tc = self.cfg.train
         stale: list[StoredGroup] = []
         flat: list[StoredGroup] = []
         for s in taken:
@@ -295,13 +314,65 @@ class Trainer:
             self.figures.skipped_groups += len(flat)
             self.figures.trained_groups += len(flat)
             self.figures.trained_trajectories += sum(len(s.group.trajectories) for s in flat)
-        if len(self._ready) < tc.groups_per_step:
-            return None
-        batch, self._ready = self._ready[: tc.groups_per_step], self._ready[tc.groups_per_step :]
+
+    def _close(self, batch: list[StoredGroup]) -> dict[str, float]:
         skipped, self._skipped = self._skipped, []
-        wait_s_spent = time.monotonic() - self._gather_since
+        wait_s_spent = time.monotonic() - (self._gather_since or time.monotonic())
         self._gather_since = None
         return self._train(batch, wait_s_spent, skipped)
+
+    def _step_mixed(self, mix: BatchMix, wait_s: float) -> dict[str, float] | None:
+        """One step's batch by `train.mix` (jetctl.server.mixing): each task's informative
+        groups fill its quota; a task still short when the others are full holds the batch
+        up until `mix_wait_s` after gathering began, then other tasks' groups back-fill its
+        slots (counted against it)."""
+        if self._quota is None:
+            self._quota, self._held_up = mix.quotas(), set()
+        short = self._short()
+        if short:
+            taken = [s for t, n in short.items() for s in self.store.take(n, 0.0, tasks={t})]
+            if not taken:  # wait for a short task's next group, not past the back-fill time
+                left = mix.wait_s - (time.monotonic() - (self._gather_since or 0.0))
+                taken = self.store.take(1, max(0.0, min(wait_s, left)), tasks=set(short))
+            self._consume(taken)
+            short = self._short()
+        if not short:
+            return self._close_mixed(mix)
+        if len(short) < sum(1 for q in self._quota.values() if q > 0):
+            self._held_up |= set(short)  # every other task's quota is full
+        if time.monotonic() - (self._gather_since or 0.0) < mix.wait_s:
+            return None
+        need = self.cfg.train.groups_per_step - len(self._ready)
+        if need > 0:  # back-fill from whatever task has groups
+            self._consume(self.store.take(need, timeout_s=min(wait_s, 0.5)))
+        if len(self._ready) < self.cfg.train.groups_per_step:
+            return None
+        return self._close_mixed(mix)
+
+    def _short(self) -> dict[str, int]:
+        """Tasks whose quota the gathered groups do not fill yet -> groups missing."""
+        assert self._quota is not None
+        have = Counter(s.facts.task for s in self._ready)
+        return {t: q - have[t] for t, q in self._quota.items() if have[t] < q}
+
+    def _close_mixed(self, mix: BatchMix) -> dict[str, float]:
+        """Each task's quota from the gathered groups in arrival order, then back-fill."""
+        assert self._quota is not None
+        batch: list[StoredGroup] = []
+        rest: list[StoredGroup] = []
+        used: Counter[str] = Counter()
+        for s in self._ready:
+            if used[s.facts.task] < self._quota.get(s.facts.task, 0):
+                batch.append(s)
+                used[s.facts.task] += 1
+            else:
+                rest.append(s)
+        backfilled = {t: q - used[t] for t, q in self._quota.items() if used[t] < q}
+        fill = self.cfg.train.groups_per_step - len(batch)
+        batch, self._ready = batch + rest[:fill], rest[fill:]
+        mix.record(Counter(s.facts.task for s in batch), self._held_up, backfilled)
+        self._quota = None
+        return self._close(batch)
 
     def _note_consumed(self, s: StoredGroup) -> None:
         rewards = [t.reward for t in s.group.trajectories]
@@ -318,6 +389,7 @@ class Trainer:
     def give_back_ready(self) -> None:
         """Return the informative groups gathered for the next step to the store's buffer."""
         ready, self._ready = self._ready, []
+        self._quota = None
         if ready:
             self.store.give_back(ready)
 
