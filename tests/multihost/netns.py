@@ -59,6 +59,9 @@ class Hosts:
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def ns(self, name: str) -> str:
+        # an unknown host fails here, not later as a command that "failed" in no namespace
+        if name != "hub" and name not in self.names:
+            raise ValueError(f"no host {name!r} here: the hosts are {self.names}")
         return f"{self.prefix}-{name}"
 
     def addr(self, name: str) -> str:

@@ -90,8 +90,9 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "JETCTL_TOKEN": ""}
 
 
-def status(hosts: Hosts, run_dir: Path) -> dict[str, Any]:
-    res = hosts.run("ctl", [*JETCTL, "status", "--run-dir", str(run_dir), "--once", "--json"],
+def status(hosts: Hosts, run_dir: Path, host: str = "ctl") -> dict[str, Any]:
+    """`jetctl status --json` asked from `host` (the controller's); {} while it cannot answer."""
+    res = hosts.run(host, [*JETCTL, "status", "--run-dir", str(run_dir), "--once", "--json"],
                     env=env(), cwd=ROOT, timeout=30)
     return json.loads(res.stdout) if res.returncode == 0 else {}
 
