@@ -108,7 +108,7 @@ class ScriptedProducer:
         while not node._draining.is_set():
             gid = uuid7()
             ids = [uuid7() for _ in range(cfg.task.group_size)]
-            node.spool.start(gid, ids)
+            node.spool.start(gid, ids, model=node.model)
             trajectories = [
                 Trajectory(
                     id=tid, group_id=gid, task=cfg.task_name, task_id=f"t{i}",
@@ -126,7 +126,7 @@ class ScriptedProducer:
             group = TrajectoryGroup(id=gid, task=cfg.task_name, task_id="scripted",
                                     model=node.model, trajectories=trajectories)
             node.spool.put(gid, group_to_pb(group).SerializeToString(), len(ids),
-                           trajectory_ids=ids)
+                           trajectory_ids=ids, model=node.model)
             node.stats.groups_spooled += 1
             node.stats.rollouts_done += len(ids)
             node.delivery.wake()
