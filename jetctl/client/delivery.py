@@ -106,12 +106,19 @@ class Delivery:
         """Send until `stop()`; cancelling it abandons a Submit still retrying (its groups
         stay spooled)."""
         while not self._stop.is_set():
-            sent = await self._send_once()
-            if sent:
-                continue
-            if self._probe_due():
-                continue
-            next_due = self.spool.next_due_at(self.model)
+            try:
+                sent = await self._send_once()
+                if sent:
+                    continue
+                if self._probe_due():
+                    continue
+                next_due = self.spool.next_due_at(self.model)
+            except Exception:  # e.g. a spool locked past its timeout
+                # a sender that died would leave every later group spooled and unsent while
+                # the node looks healthy: say why, and try again in a second
+                log.exception("delivery: sending failed; trying again in 1 s")
+                self.metrics.delivery_errors.inc()
+                next_due = time.time() + 1.0
             wait = 1.0 if next_due is None else min(1.0, max(0.02, next_due - time.time()))
             self._wake.clear()
             try:

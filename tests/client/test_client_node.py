@@ -317,3 +317,34 @@ async def test_concurrency_bounds_the_rollouts_running_at_once(
     peaks = [int(p.read_text()) for p in tmp_path.glob("peak-*")]
     assert len(peaks) == 8
     assert max(peaks) == concurrency  # groups queue for the slots; never more run at once
+
+
+@pytest.mark.timeout(120)
+async def test_a_sender_error_is_logged_counted_and_delivery_goes_on(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a spool locked past its timeout under load once left a restarted node spooling
+    # thousands of groups and sending none, while its status looked healthy
+    import sqlite3
+
+    real_due = Spool.due
+    failures = {"left": 2}
+
+    def flaky_due(self: Spool, *args: Any, **kwargs: Any) -> Any:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return real_due(self, *args, **kwargs)
+
+    monkeypatch.setattr(Spool, "due", flaky_due)
+    fake = FakeSwarm(tokenizer, tokenizer_files, reply_text=digit_reply(tokenizer))
+    node = await run_node(
+        tmp_path, fake, 2, env="envs.digits:make_env", agent="agents.digits:agent",
+        env_args={"digit": 7, "length": 4}, group_size=2,
+    )
+    assert failures["left"] == 0
+    assert len(fake.stored) == 2, "every group was delivered after the errors"
+    assert status_file(tmp_path)["spool_depth"] == 0
+    assert node.metrics.registry.get_sample_value("jetctl_client_delivery_errors_total") == 2
+    assert "database is locked" in caplog.text
