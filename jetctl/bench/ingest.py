@@ -24,6 +24,7 @@ import asyncio
 import multiprocessing
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -294,15 +295,23 @@ def run(clients: int = 50, seconds: float = 10.0, group_bytes: int = 4096, proce
 
 
 class FloorServer:
-    """A grpc.aio server in its own process whose Submit parses the request and acks every
-    group ACCEPTED without checking or storing it: what the clients reach on gRPC alone."""
+    """A bare grpc.aio server in its own process, serving `methods(*args)` (a dict of
+    Swarm method name -> grpc method handler; by default a Submit that parses the request
+    and acks every group ACCEPTED without checking or storing it): what clients reach on
+    gRPC alone."""
 
     token = "floor"
+
+    def __init__(self, methods: Callable[..., dict[str, Any]] | None = None,
+                 args: tuple[Any, ...] = ()) -> None:
+        self._methods = methods or _submit_methods
+        self._args = args
 
     def __enter__(self) -> Self:
         ctx = multiprocessing.get_context("spawn")
         ports: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_floor_main, args=(ports,), daemon=True)
+        self._proc = ctx.Process(target=_floor_main, args=(ports, self._methods, self._args),
+                                 daemon=True)
         self._proc.start()
         self.endpoint = f"127.0.0.1:{ports.get(timeout=120)}"
         import psutil
@@ -319,7 +328,23 @@ class FloorServer:
         return float(t.user + t.system)
 
 
-def _floor_main(ports: Any) -> None:
+def _floor_main(ports: Any, methods: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> None:
+    import grpc
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler("jetctl.swarm.v1.Swarm", methods(*args))
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.max_send_message_length", 64 << 20)])
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _submit_methods() -> dict[str, Any]:
     import grpc
 
     from jetctl.proto._gen import swarm_pb2 as pb
@@ -336,20 +361,11 @@ def _floor_main(ports: Any) -> None:
         async for raw in requests:
             yield acks(raw)
 
-    async def serve() -> None:
-        ser = pb.SubmitReply.SerializeToString
-        handler = grpc.method_handlers_generic_handler("jetctl.swarm.v1.Swarm", {
-            "Submit": grpc.unary_unary_rpc_method_handler(submit, None, ser),
-            "SubmitStream": grpc.stream_stream_rpc_method_handler(submit_stream, None, ser),
-        })
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ports.put(port)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
+    ser = pb.SubmitReply.SerializeToString
+    return {
+        "Submit": grpc.unary_unary_rpc_method_handler(submit, None, ser),
+        "SubmitStream": grpc.stream_stream_rpc_method_handler(submit_stream, None, ser),
+    }
 
 
 def parse_modes(text: str) -> tuple[Mode, ...]:

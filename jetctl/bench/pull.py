@@ -19,7 +19,6 @@ client`'s `LocalEngine.apply`, a cost of its own).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,30 +112,17 @@ def run(model: str = "builtin:smollm2-135m-instruct", kinds: tuple[str, ...] = K
 
 def _floor(kind: str, total: int, pulls: int) -> PullResult:
     """`pulls` pulls of `total` bytes from a bare gRPC server (median)."""
-    import psutil
+    from jetctl.bench.ingest import FloorServer
 
-    ctx = multiprocessing.get_context("spawn")
-    ports = ctx.Queue()
-    proc = ctx.Process(target=_floor_main, args=(ports, total), daemon=True)
-    proc.start()
-    try:
-        endpoint = f"127.0.0.1:{ports.get(timeout=120)}"
-        ps = psutil.Process(proc.pid)
-
-        def server_cpu() -> float:
-            t = ps.cpu_times()
-            return float(t.user + t.system)
-
-        runs = []
+    runs = []
+    with FloorServer(_pull_methods, (total,)) as server:
         for _ in range(pulls + 1):  # the first warms the channel and the server's frames up
-            s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
-            got = asyncio.run(_floor_pull(endpoint))
-            runs.append((time.perf_counter() - t0, server_cpu() - s0, time.process_time() - c0))
+            s0, c0, t0 = server.cpu_seconds(), time.process_time(), time.perf_counter()
+            got = asyncio.run(_floor_pull(server.endpoint))
+            runs.append((time.perf_counter() - t0, server.cpu_seconds() - s0,
+                         time.process_time() - c0))
             if got != total:
                 raise RuntimeError(f"the floor server sent {got} of {total} bytes")
-    finally:
-        proc.terminate()
-        proc.join(30)
     runs = runs[1:]
     return PullResult(kind, "floor", total, _median([r[0] for r in runs]),
                       _median([r[1] for r in runs]), _median([r[2] for r in runs]), len(runs))
@@ -145,12 +131,13 @@ def _floor(kind: str, total: int, pulls: int) -> PullResult:
 async def _floor_pull(endpoint: str) -> int:
     import grpc
 
+    from jetctl.client.transport import PULL_WEIGHTS
     from jetctl.proto._gen import swarm_pb2 as pb
 
     async with grpc.aio.insecure_channel(
         endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
     ) as channel:
-        pull = channel.unary_stream("/jetctl.swarm.v1.Swarm/PullWeights",
+        pull = channel.unary_stream(PULL_WEIGHTS,
                                     request_serializer=pb.PullWeightsRequest.SerializeToString,
                                     response_deserializer=None)
         got = 0
@@ -159,8 +146,8 @@ async def _floor_pull(endpoint: str) -> int:
         return got
 
 
-def _floor_main(ports: Any, total: int) -> None:
-    """A grpc.aio server whose PullWeights streams `total` bytes as 4 MiB frames, made once."""
+def _pull_methods(total: int) -> dict[str, Any]:
+    """A PullWeights that streams `total` bytes as 4 MiB frames, made once."""
     import grpc
 
     frames = [bytes(min(FLOOR_FRAME_BYTES, total - off))
@@ -170,16 +157,4 @@ def _floor_main(ports: Any, total: int) -> None:
         for frame in frames:
             yield frame
 
-    async def serve() -> None:
-        handler = grpc.method_handlers_generic_handler("jetctl.swarm.v1.Swarm", {
-            "PullWeights": grpc.unary_stream_rpc_method_handler(pull_weights, None, None),
-        })
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ports.put(port)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
+    return {"PullWeights": grpc.unary_stream_rpc_method_handler(pull_weights, None, None)}

@@ -8,7 +8,7 @@ trainer turns them into dataclasses (`group_from_pb`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
@@ -121,21 +121,31 @@ def length_delimited(raw: bytes) -> list[tuple[int, bytes]]:
     """(field number, bytes) of every length-delimited field at the top level of a message,
     in order (packed repeated scalars, strings, embedded messages); other fields are skipped.
     Raises ValueError on bytes that are not a message."""
-    out: list[tuple[int, bytes]] = []
+    return [(number, value) for number, wire, value in _walk(raw) if wire == 2]
+
+
+def _walk(raw: Any) -> list[tuple[int, int, Any]]:
+    """(field number, wire type, value) of every top-level field of a message, in order: an
+    int for a varint, a slice of `raw` (bytes or memoryview alike) for a length-delimited
+    field, None for a fixed-width one. Raises ValueError on bytes that are not a message."""
+    out: list[tuple[int, int, Any]] = []
     i, end = 0, len(raw)
     while i < end:
         key, i = _varint(raw, i)
-        wire = key & 7
+        number, wire = key >> 3, key & 7
         if wire == 0:
-            _, i = _varint(raw, i)
+            value, i = _varint(raw, i)
+            out.append((number, wire, value))
         elif wire == 1:
             i += 8
+            out.append((number, wire, None))
         elif wire == 2:
             length, i = _varint(raw, i)
-            out.append((key >> 3, raw[i : i + length]))
+            out.append((number, wire, raw[i : i + length]))
             i += length
         elif wire == 5:
             i += 4
+            out.append((number, wire, None))
         else:
             raise ValueError(f"wire type {wire} at byte {i}")
     if i != end:
@@ -178,26 +188,11 @@ def read_weights_chunk(raw: bytes) -> ChunkView:
     view = memoryview(raw)
     ints = {WC_VERSION: 0, WC_TOTAL_BYTES: 0, WC_OFFSET: 0}
     blobs: dict[int, memoryview] = {}
-    i, end = 0, len(raw)
-    while i < end:
-        key, i = _varint(raw, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(raw, i)
-            if number in ints:
-                ints[number] = value - (1 << 64) if value >= 1 << 63 else value  # int64
-        elif wire == 1:
-            i += 8
+    for number, wire, value in _walk(view):
+        if wire == 0 and number in ints:
+            ints[number] = value - (1 << 64) if value >= 1 << 63 else value  # int64
         elif wire == 2:
-            length, i = _varint(raw, i)
-            blobs[number] = view[i : i + length]
-            i += length
-        elif wire == 5:
-            i += 4
-        else:
-            raise ValueError(f"wire type {wire} at byte {i}")
-    if i != end:
-        raise ValueError("a field runs past the end of the message")
+            blobs[number] = value
 
     def text(number: int) -> str:
         blob = blobs.get(number)
