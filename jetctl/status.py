@@ -220,6 +220,8 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
             k: float(v) for k, v in (f.get("batch_share_by_task") or {}).items()
         },
         "starving_tasks": list(f.get("starving_tasks") or []),
+        # mean lag (versions behind at the step) of each task's last 32 trained groups
+        "staleness_by_task": {k: float(v) for k, v in (f.get("staleness_by_task") or {}).items()},
         # while it starts: what the server process is doing (server-<model>/phase.json)
         "phase": f.get("phase") if node.state == "starting" else None,
         "phase_since": f.get("phase_since") if node.state == "starting" else None,
@@ -284,14 +286,17 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     its nodes' revisions, nodes up, rollouts, spool, the trajectories the servers received
     from it (`received_by_task`, summed over the servers) and the mean reward of its last 32
     accepted groups on each server training it (`reward_by_model`; `reward`: their mean, the
-    one server's for a task of one model); with `train.mix`, its share of the recent batches
-    (`batch_share`) and whether the batches wait for it or back-fill its slots (`starving`)."""
+    one server's for a task of one model); the mean lag of its last 32 groups trained in a
+    step on each server (`staleness_by_model`; `staleness`: the largest, in versions); with
+    `train.mix`, its share of the recent batches (`batch_share`) and whether the batches wait
+    for it or back-fill its slots (`starving`)."""
     tasks: dict[str, dict[str, Any]] = {}
 
     def entry(task: str) -> dict[str, Any]:
         return tasks.setdefault(task, {"models": [], "roles": {}, "revisions": [], "nodes": 0,
                                        "up": 0, "rollouts_done": 0, "spool_depth": 0,
                                        "received": 0, "reward": None, "reward_by_model": {},
+                                       "staleness": None, "staleness_by_model": {},
                                        "batch_share": None, "starving": False})
 
     for c in doc["clients"]:
@@ -314,6 +319,8 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
             e["reward_by_model"][srv["model"]] = float(reward)
             if srv["model"] not in e["models"]:
                 e["models"].append(srv["model"])
+        for task, lag in (srv.get("staleness_by_task") or {}).items():
+            entry(task)["staleness_by_model"][srv["model"]] = float(lag)
         for task, share in (srv.get("batch_share_by_task") or {}).items():
             entry(task)["batch_share"] = float(share)
         for task in srv.get("starving_tasks") or []:
@@ -321,6 +328,8 @@ def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for e in tasks.values():
         rewards = list(e["reward_by_model"].values())
         e["reward"] = sum(rewards) / len(rewards) if rewards else None
+        lags = list(e["staleness_by_model"].values())
+        e["staleness"] = max(lags) if lags else None
     return dict(sorted(tasks.items()))
 
 
@@ -339,13 +348,22 @@ def batch_share(entry: dict[str, Any]) -> str:
 
 def task_reward(entry: dict[str, Any]) -> str:
     """A task's recent reward: one number, or a team's per role (`role reward`)."""
-    by_model: dict[str, float] = entry.get("reward_by_model") or {}
-    roles: dict[str, str] = entry.get("roles") or {}
-    if len(by_model) <= 1:
-        reward = entry.get("reward")
-        return "-" if reward is None else f"{reward:.3f}"
-    role_of = {m: r for r, m in roles.items()}
-    return " ".join(f"{role_of.get(m, m)} {r:.3f}" for m, r in by_model.items())
+    return _per_role(entry, entry.get("reward_by_model") or {}, "{:.3f}")
+
+
+def task_staleness(entry: dict[str, Any]) -> str:
+    """A task's recent staleness in versions: one number, or a team's per role."""
+    return _per_role(entry, entry.get("staleness_by_model") or {}, "{:.1f}")
+
+
+def _per_role(entry: dict[str, Any], by_model: dict[str, float], fmt: str) -> str:
+    """One model's figure, or a team's `role figure` pairs (a model named by its role)."""
+    if not by_model:
+        return "-"
+    if len(by_model) == 1:
+        return fmt.format(next(iter(by_model.values())))
+    role_of = {m: r for r, m in (entry.get("roles") or {}).items()}
+    return " ".join(f"{role_of.get(m, m)} {fmt.format(v)}" for m, v in by_model.items())
 
 
 # -- rendering -----------------------------------------------------------------------------
@@ -433,7 +451,8 @@ def ledger_line(ledger: dict[str, Any]) -> Text:
 
 
 MODELS_CAPTION = "version = optimizer steps; accepted, trained, buffered, rejected: trajectories"
-TASKS_CAPTION = "rollouts, failed and received: trajectories"
+TASKS_CAPTION = ("rollouts, failed and received: trajectories; staleness: versions behind, "
+                 "mean of the last 32 trained groups")
 
 
 def _server_state(s: dict[str, Any]) -> Text:
@@ -478,7 +497,7 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
     t = Table(title="tasks", title_justify="left", caption=TASKS_CAPTION, caption_justify="left",
               box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
     for col in ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
-                "reward", "batch share", "restarts"):
+                "reward", "staleness", "batch share", "restarts"):
         t.add_column(col, justify="left" if col in ("task", "model", "rev") else "right",
                      no_wrap=col != "model")
     summary = doc.get("tasks") or task_summary(doc)
@@ -495,7 +514,8 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
             task, trains_on(e), ",".join(e.get("revisions") or []) or "-",
             f"{sum(1 for c in nodes if c['process_state'] == 'running')}/{wanted}",
             _fmt(e.get("rollouts_done", 0)), str(failed), _fmt(e.get("received", 0)),
-            task_reward(e), batch_share(e), str(sum(c["restarts"] for c in nodes)),
+            task_reward(e), task_staleness(e), batch_share(e),
+            str(sum(c["restarts"] for c in nodes)),
         )
     return t
 

@@ -51,6 +51,7 @@ def test_document_shape_and_types() -> None:
                                       "nodes": 2, "up": 1, "rollouts_done": 12,
                                       "spool_depth": 2, "received": 48, "reward": 0.625,
                                       "reward_by_model": {"policy": 0.625},
+                                      "staleness": None, "staleness_by_model": {},
                                       "batch_share": None, "starving": False}}
     (s,) = doc["servers"]
     assert s["version"] == 7 and s["buffer_depth"] == 3 and s["accepted"] == 40
@@ -258,3 +259,33 @@ def test_a_mixed_tasks_share_of_the_batches_and_starving_are_shown() -> None:
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
     assert "0.50 starving" in rows["api"] and "0.50" in rows["web"]
     assert "starving" not in rows["web"]
+
+
+def test_each_tasks_staleness_is_shown_per_role() -> None:
+    """Status.staleness_by_task of each server: the tasks table shows a task's staleness in
+    versions, a team's per role; the document keeps each model's and the largest."""
+    lags = {"big": {"team": 0.5, "solo": 2.5}, "small": {"team": 3.0}}
+    servers = [
+        cpb.NodeStatus(name=f"server-{m}", kind="server", model=m, state="running",
+                       json=json.dumps({**SERVER_FIGURES, "model": m,
+                                        "staleness_by_task": by_task}))
+        for m, by_task in lags.items()
+    ]
+    client = {**CLIENT_FIGURES, "name": "team-0", "task": "team", "models": ["big", "small"],
+              "roles": {"planner": "big", "coder": "small"}}
+    doc = document(cpb.RunStatusReply(
+        run="t", run_dir="/runs/t", state="running",
+        nodes=[*servers, cpb.NodeStatus(name="team-0", kind="client", task="team", model="big",
+                                        state="running", revision="r0",
+                                        json=json.dumps(client))],
+    ))
+    team, solo = doc["tasks"]["team"], doc["tasks"]["solo"]
+    assert team["staleness_by_model"] == {"big": 0.5, "small": 3.0} and team["staleness"] == 3.0
+    assert solo["staleness_by_model"] == {"big": 2.5} and solo["staleness"] == 2.5
+    assert doc["tasks"]["arith"]["staleness"] is None
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render_status(doc))
+    rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
+    assert "planner 0.5 coder 3.0" in rows["team"] and "2.5" in rows["solo"]

@@ -312,6 +312,7 @@ class SwarmService:
             batch_share_by_task={t: m["share"] for t, m in mixed.items()},
             backfilled_by_task=dict(mix.backfilled_total) if mix is not None else {},
             starving_tasks=sorted(t for t, m in mixed.items() if m["starving"]),
+            staleness_by_task=f.staleness_by_task(),
         )
 
 

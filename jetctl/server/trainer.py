@@ -136,6 +136,7 @@ def accumulate_gradients(
 
 
 SIGNAL_WINDOW = 64  # consumed groups behind Status.signal
+LAG_WINDOW = 32  # trained groups per task behind Status.staleness_by_task
 NO_SIGNAL_SHARE = 0.8  # above this share of equal-reward groups, the run has no signal
 
 
@@ -156,6 +157,18 @@ class TrainerFigures:
     recent_signal: deque[tuple[bool, float]] = field(
         default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
     best_reward: float = float("-inf")  # the best group mean reward seen
+    # task -> the lags (versions behind at the step) of its last LAG_WINDOW trained groups
+    recent_lags: dict[str, deque[int]] = field(default_factory=dict)
+
+    def note_lag(self, task: str, lag: int) -> None:
+        """A group of `task` went into a step `lag` versions behind the trainer."""
+        self.recent_lags.setdefault(task, deque(maxlen=LAG_WINDOW)).append(lag)
+
+    def staleness_by_task(self) -> dict[str, float]:
+        """Per task: the mean lag of its last LAG_WINDOW groups trained in a step."""
+        # copies: Status reads while the trainer's thread appends
+        windows = {task: list(lags) for task, lags in list(self.recent_lags.items())}
+        return {task: sum(lags) / len(lags) for task, lags in windows.items() if lags}
 
     def signal(self) -> tuple[float, str]:
         """(share of recent groups without signal, `ok` | `solved` | `collapsed`)."""
@@ -412,6 +425,7 @@ class Trainer:
             group_rewards = [t.reward for t in g.trajectories]
             rewards += group_rewards
             lags.append(g.lag(self.version))
+            self.figures.note_lag(g.task, lags[-1])
             advantages = group_advantages(group_rewards)
             if all(a == 0.0 for a in advantages):
                 zero_std += 1

@@ -24,9 +24,11 @@ from tests.server.trainer_support import PROMPT, config, make_trainer, step
 pytestmark = pytest.mark.unit
 
 
-def put(trainer: Trainer, task: str) -> None:
-    """An informative group of `task`, made at the trainer's version, as Submit stores it."""
-    g = make_group(task=task, rewards=(0.0, 1.0), version=trainer.version, prompt=PROMPT,
+def put(trainer: Trainer, task: str, version: int | None = None) -> None:
+    """An informative group of `task`, made at `version` (default: the trainer's), as Submit
+    stores it."""
+    g = make_group(task=task, rewards=(0.0, 1.0),
+                   version=trainer.version if version is None else version, prompt=PROMPT,
                    completion=(21, 22, 23))
     assert trainer.store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome == "accepted"
 
@@ -106,3 +108,23 @@ def test_a_task_that_stops_is_back_filled_after_the_wait_and_counted(tmp_path: P
     figures = trainer.mix.figures()
     assert figures["slow"]["starving"] == 1.0 and figures["slow"]["backfilled"] == 5
     assert figures["fast"]["share"] == pytest.approx(11 / 12)
+
+
+def test_staleness_is_each_tasks_mean_lag_at_the_step(tmp_path: Path) -> None:
+    """Status.staleness_by_task: per task, how many versions behind its trained groups were
+    when a step took them (mean of the last 32), so a task whose clients lag shows it."""
+    trainer = make_trainer(tmp_path, config(groups_per_step=2, max_staleness=1000))
+    for _ in range(3):
+        put(trainer, "fresh")
+        put(trainer, "fresh")
+        assert step(trainer) is not None
+    assert trainer.version == 3
+    assert trainer.figures.staleness_by_task() == {"fresh": 0.0}
+    put(trainer, "lagging", version=0)  # 3 versions behind
+    put(trainer, "lagging", version=2)  # 1 behind
+    assert step(trainer) is not None
+    put(trainer, "fresh")
+    put(trainer, "lagging", version=1)  # 3 behind at version 4
+    assert step(trainer) is not None
+    assert trainer.figures.staleness_by_task() == {
+        "fresh": pytest.approx(0.0), "lagging": pytest.approx((3 + 1 + 3) / 3)}

@@ -112,3 +112,6 @@ def test_each_batch_holds_the_mix_while_one_tasks_clients_are_slowed(tmp_path: P
     assert shares["slow"] == pytest.approx(0.5, abs=0.05), shares
     assert list(reply.starving_tasks) == ["slow"]
     assert dict(reply.backfilled_by_task) == {}, "the wait (60 s) was never used up"
+    # staleness per task: versions behind at the step, within the recipe's bound
+    staleness = dict(reply.staleness_by_task)
+    assert set(staleness) == {"fast", "slow"} and all(0 <= v <= 1000 for v in staleness.values())
