@@ -71,6 +71,12 @@ class ClientMetrics:
             "Unexpected errors of the spool's sender (logged with a traceback; it goes on).",
             registry=self.registry,
         )
+        self.group_errors = Counter(
+            "jetctl_client_group_errors_total",
+            "Groups whose task raised before they were spooled (logged with a traceback; "
+            "their trajectories in progress are recorded as dropped(failed)).",
+            registry=self.registry,
+        )
         self.dropped = Counter(
             "jetctl_client_trajectories_dropped_total",
             "Trajectories the node gave up on, by reason (timeout | failed | dead-letter).",

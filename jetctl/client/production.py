@@ -13,6 +13,12 @@ table with their error; a group with fewer than 2 ok trajectories is dropped who
 a comparison). Rollouts never wait for training; they wait only while the spool holds more
 than `spool_max_bytes` (back-pressure; nothing un-acked is ever deleted).
 
+Every finished group's outcome is read. A group whose task raised (e.g. its rollout process
+could not start because the node's forkserver died under a SIGTERM) is logged with its
+traceback, counted (`jetctl_client_group_errors_total`), and its trajectories still in
+progress become `dropped(failed)` with that error at once, in one transaction: a node that
+drains leaves nothing in `inflight`, so the ledger balances without a restart.
+
 A team task (`roles:`) splits each rollout's timeline by role: each role's calls become that
 role's trajectory (ids of its own, made before the rollouts start, with the rollout's id in
 `metadata["rollout_id"]`), and each role's trajectories of the group become a group for that
@@ -27,6 +33,7 @@ import asyncio
 import logging
 import math
 import random
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +69,15 @@ class _Part:
     model: str
     group_id: str
     trajectory_ids: list[str]  # one per rollout, in rollout order
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One task's group of rollouts, its ids recorded in the spool before it starts."""
+
+    task: Task
+    rollout_ids: list[str]
+    parts: list[_Part]  # one per role (one for a task without roles)
 
 
 @dataclass(frozen=True)
@@ -113,15 +129,18 @@ class Producer:
         cfg = self.config
         tasks = self._tasks()
         max_inflight = math.ceil(cfg.task.concurrency / cfg.task.group_size) + 1
-        inflight: set[asyncio.Task[None]] = set()
+        inflight: dict[asyncio.Task[None], _Group] = {}
         started = 0
         while not self._draining.is_set() and (cfg.max_groups is None or started < cfg.max_groups):
             self.backpressure = self.spool.bytes() > cfg.task.spool_max_bytes
             if self.backpressure or len(inflight) >= max_inflight:
                 # back-pressure, or enough groups queued for the rollout slots
                 if inflight:
-                    await asyncio.wait(inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                    inflight = {t for t in inflight if not t.done()}
+                    done, _ = await asyncio.wait(
+                        inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    for finished in done:
+                        self._settle(finished, inflight.pop(finished))
                 else:
                     await sleep_or(self._draining, 0.5)
                 continue
@@ -131,32 +150,73 @@ class Producer:
             if task is None:
                 log.info("the env's task stream ended after %d groups", started)
                 break
-            inflight.add(asyncio.create_task(self._run_group(task)))
+            group = self._start_group(task)
+            inflight[asyncio.create_task(self._run_group(group))] = group
             started += 1
         if inflight:
-            await asyncio.gather(*inflight)
+            await asyncio.wait(inflight)
+            for finished, group in inflight.items():
+                self._settle(finished, group)
 
-    async def _run_group(self, task: Task) -> None:
-        """`group_size` rollouts of one task; each role's part of them becomes a group for
-        that role's model (a task without roles: one part, whose ids are the rollouts')."""
-        cfg = self.config
-        rollout_ids = [uuid7() for _ in range(cfg.task.group_size)]
+    def _start_group(self, task: Task) -> _Group:
+        """The ids of a task's group: each role's part of the rollouts becomes a group for
+        that role's model (a task without roles: one part, whose ids are the rollouts'),
+        recorded in the spool before anything runs: if the node dies now, they are lost."""
+        rollout_ids = [uuid7() for _ in range(self.config.task.group_size)]
         parts = [
             _Part(role, model, uuid7(), list(rollout_ids) if not self._team else
                   [uuid7() for _ in rollout_ids])
             for role, model in self._roles.items()
         ]
-        # made and recorded before anything is sent: if the node dies now, they are lost
         for part in parts:
             self.spool.start(part.group_id, part.trajectory_ids, model=part.model)
-        rollouts = await asyncio.gather(*(self._run_rollout(task, rid) for rid in rollout_ids))
+        return _Group(task, rollout_ids, parts)
+
+    def _settle(self, finished: asyncio.Task[None], group: _Group) -> None:
+        """Read a finished group task's outcome. On an error it is logged with its cause and
+        counted, and the group's trajectories still in progress become dropped(failed) with
+        it, so none stays `inflight`."""
+        exc = None if finished.cancelled() else finished.exception()
+        if exc is None and not finished.cancelled():
+            return
+        error = (
+            "".join(traceback.format_exception(exc)) if exc is not None
+            else "the group's task was cancelled before its rollouts finished"
+        )
+        self.metrics.group_errors.inc()
+        self.stats.groups_dropped += 1
+        dropped = 0
+        for part in group.parts:
+            n = self.spool.drop_group(
+                part.group_id, "failed", f"the node's group task failed: {error}"
+            )
+            self.stats.drop("failed", n)
+            self.metrics.dropped.labels(reason="failed").inc(n)
+            dropped += n
+        log.error(
+            "group %s of task %s failed (%s); its %d trajectories in progress are recorded as "
+            "dropped(failed)", group.parts[0].group_id, self.config.task_name,
+            f"{type(exc).__name__}: {exc}" if exc is not None else "cancelled", dropped,
+            exc_info=exc,
+        )
+
+    async def _run_group(self, group: _Group) -> None:
+        """`group_size` rollouts of one task, spooled as one group per part (role)."""
+        task, rollout_ids, parts = group.task, group.rollout_ids, group.parts
+        runs = [asyncio.create_task(self._run_rollout(task, rid)) for rid in rollout_ids]
+        try:
+            rollouts = await asyncio.gather(*runs)
+        except BaseException:
+            for run in runs:  # the group is lost as a whole: stop (and kill) its other rollouts
+                run.cancel()
+            raise
         spooled = []
         for part in parts:
-            group = self._part_group(task, part, rollout_ids, rollouts)
-            if group is not None:
+            made = self._part_group(task, part, rollout_ids, rollouts)
+            if made is not None:
                 spooled.append(SpooledGroup(
-                    group.id, group_to_pb(group).SerializeToString(),
-                    [t.id for t in group.trajectories], part.model,
+                    made.id, group_to_pb(made).SerializeToString(),
+                    [t.id for t in made.trajectories], part.model,
                 ))
         if spooled:
             self.spool.put_all(spooled)

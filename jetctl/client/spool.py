@@ -4,9 +4,10 @@ One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FUL
 `put` that returned survives `kill -9` and power loss). Four tables:
 
 * `inflight` - one row per trajectory id of a rollout in progress (written before the
-  rollout starts). `put` and `drop` remove the rows in the same transaction, so a node
-  killed mid-rollout leaves them behind and its successor records them as `dropped(lost)`
-  (`recover_lost`): a crash loses rollouts, never half a group.
+  rollout starts). `put` and `drop` remove the rows in the same transaction (`drop_group`
+  too: a group whose task failed), so only a node killed mid-rollout leaves them behind,
+  and its successor records them as `dropped(lost)` (`recover_lost`): a crash loses
+  rollouts, never half a group.
 * `pending`  - groups not yet acked: id, serialized `TrajectoryGroup` protobuf, trajectory
   count and ids, created_at, attempts, next_attempt_at. A group leaves only through `ack`.
 * `outcomes` - one row per acked group: accepted | duplicate | stale | invalid | revision,
@@ -166,6 +167,21 @@ class Spool:
                 (error, t),
             ).rowcount
             self._db.execute("DELETE FROM inflight")
+        return int(n)
+
+    def drop_group(
+        self, group_id: str, reason: DropReason, error: str, now: float | None = None
+    ) -> int:
+        """The group's trajectories still in progress become `dropped(reason)` with `error`
+        (its task failed before spooling it), in one transaction; returns how many."""
+        t = time.time() if now is None else now
+        with self._tx():
+            n = self._db.execute(
+                "INSERT OR IGNORE INTO dropped (trajectory_id, reason, error, time, model)"
+                " SELECT trajectory_id, ?, ?, ?, model FROM inflight WHERE group_id = ?",
+                (reason, error, t, group_id),
+            ).rowcount
+            self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
         return int(n)
 
     def put(
