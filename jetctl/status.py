@@ -82,18 +82,35 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     paths = RunPaths(run_dir)
     dirs = _checkpoint_dirs(info, paths)
     rewards = read_run_rewards(run_dir)
+    servers = info.get("servers") or {}
     models: dict[str, Any] = {}
-    for model in sorted(set(info.get("servers") or {}) | set(rewards)):
+    for model in sorted(set(servers) | set(rewards)):
         points = rewards.get(model) or []
+        # what the controller heard from the server over the network (jetctl.controller.
+        # state.trained): right wherever the server ran; its step log is on its own host
+        heard = (servers.get(model) or {}).get("trained") or {}
         last = [p.reward for p in points[-FINAL_REWARD_BATCHES:]]
         where = dirs.get(model) or str(paths.checkpoints(model))
+        checkpoint = _last_checkpoint(where)
+        if checkpoint is None and heard.get("last_checkpoint_version"):
+            checkpoint = f"step {heard['last_checkpoint_version']}, on the server's host"
+        if last:
+            final_reward, source = sum(last) / len(last), "steps log"
+        elif "reward_mean_recent" in heard and heard.get("trained_groups"):
+            final_reward, source = float(heard["reward_mean_recent"]), "server status"
+        else:
+            final_reward, source = None, None
         models[model] = {
-            "steps": points[-1].step if points else 0,  # the version: optimizer steps
+            # the version: optimizer steps
+            "steps": int(heard["version"]) if "version" in heard
+            else (points[-1].step if points else 0),
             "batches": len(points),
-            "final_reward": sum(last) / len(last) if last else None,
+            "final_reward": final_reward,
             "final_reward_batches": len(last),
+            # steps log: the mean of the last batches; server status: its recent trajectories
+            "final_reward_source": source,
             "checkpoint_dir": where,
-            "last_checkpoint": _last_checkpoint(where),
+            "last_checkpoint": checkpoint,
         }
     started, finished = info.get("started_at"), info.get("finished_at")
     return {
@@ -153,9 +170,13 @@ def render_summary(summary: dict[str, Any]) -> RenderableType:
     if summary.get("duration_s") is not None:
         head.append(f"  ran {_duration(summary['duration_s'])}", style="dim")
     head.append(f"  {summary['run_dir']}", style="dim")
-    t = Table(title="models", title_justify="left",
-              caption=f"steps = optimizer steps; final reward: mean of the last "
-                      f"{FINAL_REWARD_BATCHES} batches", caption_justify="left",
+    caption = f"steps = optimizer steps; final reward: mean of the last {FINAL_REWARD_BATCHES} batches"
+    from_status = [m for m, v in summary["models"].items()
+                   if v.get("final_reward_source") == "server status"]
+    if from_status:  # a server on another host: its step log stayed there
+        caption += (f" ({', '.join(from_status)}: of its server's recent trajectories, "
+                    "its step log is on its host)")
+    t = Table(title="models", title_justify="left", caption=caption, caption_justify="left",
               box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
     for col in ("model", "steps", "final reward", "last checkpoint"):
         t.add_column(col, justify="right" if col in ("steps", "final reward") else "left")

@@ -240,6 +240,49 @@ def test_status_of_a_finished_run_is_its_summary(tmp_path: Path) -> None:
         assert shown in res.output, (shown, res.output)
 
 
+def test_the_summary_of_a_server_on_another_host_has_what_the_controller_heard(
+    tmp_path: Path,
+) -> None:
+    """A server hosted by Ray, or run by the user on another host, keeps its step log and its
+    checkpoints on its own host: the summary takes its steps (the larger of its last Status
+    and its last sync, sent as it exits), its recent reward and its last checkpoint from
+    what the controller heard over the network and wrote into run.json."""
+    from rich.console import Console
+
+    from jetctl.controller.state import Node, Report, RunState
+    from jetctl.recipe import load_recipe
+    from jetctl.rundir import RunPaths
+    from jetctl.status import finished_summary, render_summary
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "run: {name: t}\nmodels:\n  policy: {model: builtin:tiny, runtime: external}\n"
+        "tasks:\n  arith:\n    env: envs.arithmetic:make_env\n"
+        "    agent: agents.arithmetic:agent\n    model: policy\n")
+    rd = tmp_path / "runs" / "t"
+    state = RunState(load_recipe(str(recipe)), recipe, RunPaths(rd))
+    state.nodes["server-policy"] = Node(name="server-policy", kind="server", model="policy",
+                                        runtime="external", endpoint="10.0.0.2:7000")
+    state.server_status["policy"] = {**SERVER_FIGURES, "last_checkpoint_version": "5"}
+    # its last sync, as it exited after one more step than the last Status the probe saw
+    state.reports["server-policy"] = Report(status={"state": "exited", "version": 8},
+                                            received_at=0.0, kind="server", final=True)
+    state.phase, state.finished_at = "finished", state.started_at + 60
+    state.write_run_json()
+    assert not RunPaths(rd).metrics.exists(), "no step log in the controller's run dir"
+
+    policy = finished_summary(rd)["models"]["policy"]
+    assert policy["steps"] == 8
+    assert policy["final_reward"] == 0.25 and policy["final_reward_source"] == "server status"
+    assert policy["last_checkpoint"] == "step 5, on the server's host"
+    console = Console(width=200, record=True)
+    console.print(render_summary(finished_summary(rd)))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if line.strip().startswith("policy"))
+    assert row.split()[1:3] == ["8", "0.250"], row
+    assert "policy: of its server's recent trajectories" in text
+
+
 def test_a_mixed_tasks_share_of_the_batches_and_starving_are_shown() -> None:
     """train.mix: the server reports each task's share of its recent batches and the tasks
     its batches wait for; the tasks table shows both."""

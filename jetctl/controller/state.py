@@ -153,6 +153,26 @@ class RunState:
         with self.lock:
             return int((self.server_status.get(model) or {}).get("model_version", 0))
 
+    def trained(self, model: str) -> dict[str, Any]:
+        """What the controller last heard over the network of `model`'s training: `version`
+        (optimizer steps: the larger of its last `Status` and its last sync, which a server
+        sends as it exits), `reward_mean_recent`, `trained_groups`, `last_checkpoint_version`.
+        The end-of-run summary reads them from run.json: a server on another host (Ray,
+        external) keeps its step log there. {} before the first word from it."""
+        with self.lock:
+            status = dict(self.server_status.get(model) or {})
+            report = self.reports.get(server_node_name(model))
+            synced = report.status.get("version") if report is not None else None
+        out: dict[str, Any] = {}
+        versions = [int(v) for v in (status.get("model_version"), synced) if v is not None]
+        if versions:
+            out["version"] = max(versions)
+        if status:
+            out["reward_mean_recent"] = float(status.get("reward_mean_recent") or 0.0)
+            out["trained_groups"] = int(status.get("trained_groups") or 0)
+            out["last_checkpoint_version"] = int(status.get("last_checkpoint_version") or 0)
+        return out
+
     def reached_max_steps(self, model: str) -> bool:
         max_steps = self.recipe.models[model].train.max_steps
         return max_steps is not None and self.model_version(model) >= max_steps
@@ -253,7 +273,8 @@ class RunState:
         process start time, which guards against a recycled pid)."""
         with self.lock:
             servers = {
-                n.model: {"endpoint": n.endpoint, "metrics": n.metrics, "pid": n.last_pid or None}
+                n.model: {"endpoint": n.endpoint, "metrics": n.metrics, "pid": n.last_pid or None,
+                          "trained": self.trained(n.model)}
                 for n in self.nodes.values()
                 if n.kind == "server"
             }
