@@ -2,9 +2,10 @@
 
 Two roles of one team, named as `model=` (the recipe's `roles:` maps them to models):
 `caller` gets the conversation of `task.data["messages"]` with the add tool and its first
-add call is run by the session; `answerer` gets only the tool's result and its reply is the
-team's answer. The answerer is always asked, also when the caller made no call (it is then
-told so, and cannot be right). Run with `agent = "agents.relay:agent"`.
+add call is run by the session; `answerer` gets only the tool's result (after one prior
+exchange, `envs.relay.answer_messages`) and its reply, at most ANSWER_MAX_TOKENS tokens, is
+the team's answer. The answerer is always asked, also when the caller made no call (it is
+then told so, and cannot be right). Run with `agent = "agents.relay:agent"`.
 Left out: retries and a second try after a failed call.
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from envs.relay import TOOLS
+from envs.relay import TOOLS, answer_messages
 from jetctl.env import LLM, Task
 
 ROLES = ("caller", "answerer")
+ANSWER_MAX_TOKENS = 8  # room for "The result is 7." (0.2); the right answer is one token
 
 
 def _add_arguments(message: Any) -> object:
@@ -46,7 +48,7 @@ def agent(task: Task, llm: LLM, session: Any) -> None:
         session.add(arguments)
     second = client.chat.completions.create(
         model="answerer",
-        messages=[{"role": "user", "content": f"{session.result} Reply with the result."}],
-        max_tokens=int(task.data["length"]),
+        messages=answer_messages(session.result),
+        max_tokens=ANSWER_MAX_TOKENS,
     )
     session.answer(second.choices[0].message.content or "")

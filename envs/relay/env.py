@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from envs.digits.env import score
 from envs.levels import example_call
 from jetctl.env import Task
 
@@ -27,8 +27,31 @@ TOOLS: list[dict[str, Any]] = [
         },
     }
 ]
+ANSWER_PROMPT = "{result} Reply with the result."
 REWARD_RIGHT_CALL = 1.0
 REWARD_WELL_FORMED = 0.2
+REWARD_RIGHT_ANSWER = 1.0  # the sum and nothing else ("7", "7.")
+REWARD_ANSWER_IN_WORDS = 0.2  # the sum as a number among other words ("The result is 7.")
+
+
+def answer_score(reply: str, total: int) -> float:
+    """The answerer's reward: 1.0 for the sum alone, 0.2 for the sum among other words."""
+    if reply.strip().rstrip(".").strip() == str(total):
+        return REWARD_RIGHT_ANSWER
+    if re.search(rf"(?<![\d.]){total}(?![\d]|\.\d)", reply):
+        return REWARD_ANSWER_IN_WORDS
+    return 0.0
+
+
+def answer_messages(result: str) -> list[dict[str, str]]:
+    """The answerer's conversation: one prior exchange (the example's result, answered with
+    the number alone), then what the tool returned in this rollout."""
+    example = f"add returned {sum(EXAMPLE)}."
+    return [
+        {"role": "user", "content": ANSWER_PROMPT.format(result=example)},
+        {"role": "assistant", "content": str(sum(EXAMPLE))},
+        {"role": "user", "content": ANSWER_PROMPT.format(result=result)},
+    ]
 
 
 def _operands(arguments: object) -> tuple[int, int] | None:
@@ -78,8 +101,7 @@ class RelaySession:
             caller = REWARD_RIGHT_CALL
         else:
             caller = REWARD_WELL_FORMED
-        answerer = score(self.reply or "", str(a + b), int(self.task.data["length"]))
-        return {"caller": caller, "answerer": answerer}
+        return {"caller": caller, "answerer": answer_score(self.reply or "", a + b)}
 
     def close(self) -> None:
         pass
@@ -89,12 +111,7 @@ class RelaySession:
 class RelayEnv:
     """Tasks `a + b` (a + b <= 9); ids `relay-<a>+<b>` (stable)."""
 
-    length: int = 4
     name: str = "relay"
-
-    def __post_init__(self) -> None:
-        if self.length < 1:
-            raise ValueError(f"length ({self.length}) must be at least 1")
 
     def all_tasks(self) -> list[Task]:
         return [self._task(a, b) for a in range(10) for b in range(10 - a) if (a, b) != EXAMPLE]
@@ -109,7 +126,7 @@ class RelayEnv:
         return Task(
             id=f"relay-{a}+{b}",
             prompt=question,
-            data={"operands": [a, b], "messages": messages, "length": self.length},
+            data={"operands": [a, b], "messages": messages},
         )
 
     def tasks(self, rng: random.Random) -> Iterator[Task]:
@@ -121,6 +138,6 @@ class RelayEnv:
         return RelaySession(task)
 
 
-def make_env(length: int = 4) -> RelayEnv:
-    """The relay env; the answerer's reply is scored over `length` characters."""
-    return RelayEnv(length=length)
+def make_env() -> RelayEnv:
+    """The relay env (it takes no env_args)."""
+    return RelayEnv()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from envs.digits.team import make_env as make_team_digits
-from envs.relay import make_env
+from envs.relay import answer_messages, answer_score, make_env
 from tests.envs.scripted_llm import ScriptedEndpoint, tool_call
 
 pytestmark = pytest.mark.unit
@@ -31,11 +31,12 @@ def test_relay_tasks_have_one_digit_sums_and_never_the_example() -> None:
 @pytest.mark.parametrize(
     ("arguments", "reply", "rewards", "shown"),
     [
-        ({"a": 2, "b": 5}, "7777", {"caller": 1.0, "answerer": 1.0}, "add returned 7."),
-        ({"a": "5", "b": 2}, "77", {"caller": 1.0, "answerer": 0.5}, "add returned 7."),
+        ({"a": 2, "b": 5}, "7", {"caller": 1.0, "answerer": 1.0}, "add returned 7."),
+        ({"a": "5", "b": 2}, "The result is 7.", {"caller": 1.0, "answerer": 0.2},
+         "add returned 7."),
         # a wrong call is well formed (0.2); the answerer, told 8, cannot be right
-        ({"a": 2, "b": 6}, "8888", {"caller": 0.2, "answerer": 0.0}, "add returned 8."),
-        ({"a": 2}, "7777", {"caller": 0.0, "answerer": 1.0}, "add failed"),
+        ({"a": 2, "b": 6}, "8", {"caller": 0.2, "answerer": 0.0}, "add returned 8."),
+        ({"a": 2}, "7.", {"caller": 0.0, "answerer": 1.0}, "add failed"),
         (None, "", {"caller": 0.0, "answerer": 0.0}, "add was not called."),
     ],
 )
@@ -49,6 +50,25 @@ def test_each_role_is_scored_on_its_part(
     assert session.result.startswith(shown)
     session.answer(reply)
     assert session.reward() == rewards
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [("7", 1.0), (" 7.\n", 1.0), ("The result is 7.", 0.2), ("7 + 0 = 7", 0.2),
+     ("77", 0.0), ("17", 0.0), ("7.5", 0.0), ("0.7", 0.0), ("seven", 0.0), ("", 0.0)],
+)
+def test_the_answerer_is_paid_for_the_sum_alone_and_a_little_for_it_in_words(
+    reply: str, reward: float
+) -> None:
+    assert answer_score(reply, 7) == reward
+
+
+def test_the_answerers_prior_exchange_answers_the_example_with_the_number_alone() -> None:
+    messages = answer_messages("add returned 8.")
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[0]["content"] == "add returned 7. Reply with the result."
+    assert messages[1]["content"] == "7"
+    assert messages[2]["content"] == "add returned 8. Reply with the result."
 
 
 def test_team_digits_scores_each_role_against_its_digit() -> None:
@@ -71,18 +91,21 @@ def test_the_relay_agent_calls_then_answers_with_the_tools_result() -> None:
     from jetctl.env import LLM
 
     env = make_env()
-    task = env._task(2, 5)
+    task = env._task(2, 6)
     session = env.open(task)
-    script = {"caller": tool_call("add", a=2, b=5), "answerer": "7777"}
+    script = {"caller": tool_call("add", a=2, b=6), "answerer": "8"}
     with ScriptedEndpoint(lambda p: script["answerer"] if "Reply with the result" in p
                           else script["caller"], roles=("caller", "answerer")) as endpoint:
         llm = endpoint.llm
         agent(task, LLM(llm.base_url, "caller", roles=("caller", "answerer")), session)
         roles = [t.role for t in endpoint.timeline.turns] if endpoint.timeline else []
-    assert session.operands == (2, 5) and session.reply == "7777"
+    assert session.operands == (2, 6) and session.reply == "8"
     assert session.reward() == {"caller": 1.0, "answerer": 1.0}
     assert roles == ["caller", "answerer"]
-    assert "add returned 7. Reply with the result." in endpoint.prompts[1]
+    # the answerer sees the example's exchange, then this rollout's result (not the question)
+    answerer_prompt = endpoint.prompts[1]
+    assert answerer_prompt.index("add returned 7.") < answerer_prompt.index("add returned 8.")
+    assert "What is 2 + 6" not in answerer_prompt
 
 
 def test_the_relay_agent_names_the_roles_it_needs() -> None:
