@@ -5,7 +5,8 @@ revision beside the old one (nodes `<task>-<index>-<rev>`, `--revision rev --nam
 agent or image; the reconcile loop starts them), waits until each new node syncs `running`,
 then (with `drop_old`) tells the servers to refuse the old revision (in their sync replies;
 each echoes what it enforces) and drains the old nodes like `down` does (nodes that joined
-by hand are told to drain at their next sync). New nodes that do
+by hand are told to drain at their next sync); under `runtime: ray` the drained revision's
+placement group is removed, so its resources are there for the next swap. New nodes that do
 not come up (or keep crashing) are removed and the old revision keeps running. The task's
 current revision is kept in run.json (RunState.revisions) so that a resumed controller keeps
 it.
@@ -199,6 +200,17 @@ class Swapper:
                 if n.handle is None and self.state.nodes.get(n.name) is n:
                     del self.state.nodes[n.name]
                     self.state.retired.add(n.name)  # a late sync from it is told to drain
+            # runtime: ray: a revision's nodes have a placement group of their own; free it
+            # once all of them exited, so that the next swap's bundles fit
+            groups: dict[str, bool] = {}  # group -> every node of it exited
+            for n in nodes:
+                if n.runtime == "ray":
+                    group = self.reconciler.placement(n).group
+                    groups[group] = groups.get(group, True) and n.handle is None
+        ray = self.reconciler.runtimes.get("ray")
+        for group, exited in sorted(groups.items()):
+            if ray is not None and exited:
+                ray.release_group(group)
         self.state.write_run_json()
 
     def _refuse(self, model: str, entries: set[str], timeout_s: float = 10.0) -> bool:

@@ -30,6 +30,7 @@ import pytest
 
 from jetctl.ledger import build_ledger, ledger_from_files
 from jetctl.rundir import RunPaths
+from jetctl.status import finished_summary
 from tests.multihost.netns import Hosts, need_netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]
@@ -198,6 +199,12 @@ def test_a_run_across_hosts_survives_a_partition_and_balances(
     assert s["balanced"], s["problems"]
     assert s["trained"] > 0 and s["awaiting_reports"] == 0
     assert sorted(s["nodes"]) == sorted(by_host.values())
+    assert s["in_flight"]["rollout"] == 0, "the drained nodes left no rollout in progress"
+    # what `jetctl up` printed at the end: the steps the server on `srv` reported (its step
+    # log is in its own folder there)
+    summary = finished_summary(run_dir)["models"]["policy"]
+    assert summary["steps"] >= int(healed["servers"][0]["version"]), summary
+    assert summary["final_reward"] is not None
     # the hosts' own files, put side by side, tell the same story
     view = tmp_path / "view"
     (view / "spool").mkdir(parents=True)

@@ -128,6 +128,10 @@ class Runtime(ABC):
         how many. Running nodes are left to `list` (adopt) and `stop_all`."""
         return 0
 
+    def release_group(self, group: str) -> None:
+        """Free what the engine holds for a placement group whose nodes all exited (a task
+        revision a swap drained); nothing to do where there are no groups."""
+
     def close(self) -> None:
         """Release connections to the engine, if any."""
 

@@ -15,7 +15,8 @@ over the network like any other.
 Actors are named after their node and detached, in the namespace `run.ray.namespace`
 (default `jetctl-<run>`): a controller that died leaves them running and `jetctl up --resume`
 finds them (`list`); `jetctl down` and the end of the run remove them and the placement
-groups. Restarts are the controller's (with its backoff), not Ray's: `max_restarts=0`.
+groups, a swap the drained revision's group (`release_group`). Restarts are the
+controller's (with its backoff), not Ray's: `max_restarts=0`.
 
 Left out: Ray's own logs (the node's log stays on its host, `logs/<node>.log` under the work
 dir), autoscaling.
@@ -108,11 +109,11 @@ class NodeProcess:
         return code is None, code
 
     def signal(self, signum: int) -> None:
+        """To the node only, as the process runtime does: SIGTERM drains it and it stops what
+        it started. Sent to its process group it also killed the forkserver its rollouts
+        start from, failing a rollout that started at that moment (EOFError)."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signum)  # the node's own process group
-            except ProcessLookupError:
-                pass
+            self.proc.send_signal(signum)
 
     def kill(self) -> int | None:
         """SIGKILL the node's whole session (its rollouts too); its exit code."""
@@ -263,6 +264,11 @@ class RayRuntime(Runtime):
             if group not in live_groups:
                 self._remove_group(group)
         return removed
+
+    def release_group(self, group: str) -> None:
+        """Remove the placement group: its bundles' resources go back to the cluster (a
+        swap's next revision needs them; else only `prune` at the end frees them)."""
+        self._remove_group(group)
 
     def close(self) -> None:
         self._ray.shutdown()
