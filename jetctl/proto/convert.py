@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jetctl.proto._gen import packed_pb2
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
 
@@ -115,6 +116,13 @@ def group_payloads(raw: bytes, request: pb.SubmitRequest) -> list[bytes]:
     if len(slices) != len(request.groups):
         return [g.SerializeToString() for g in request.groups]
     return slices
+
+
+def packed_groups(raw: bytes) -> Any:
+    """The groups of a SubmitRequest's wire bytes as `PackedGroup` views (packed.proto): each
+    call's token ids and logprobs as the bytes they travel in, for the admission checks.
+    Raises DecodeError where the bytes do not parse as such."""
+    return packed_pb2.PackedSubmitRequest.FromString(raw).groups
 
 
 def length_delimited(raw: bytes) -> list[tuple[int, bytes]]:

@@ -10,14 +10,25 @@ The same pass gathers the facts the store records (`GroupFacts`). Values that ar
 absurd (a reward of 1e300, a logprob of -1e30) are refused too: they would turn the GRPO
 loss into inf or NaN. The checks read attributes only, so a `TrajectoryGroup` dataclass is
 judged the same way (tests).
+
+Token ids and logprobs are the bulk of a group. `check_groups`, the server's path, checks
+them over the packed bytes of every call of a Submit request at once (each group parsed a
+second time as `packed.proto`'s `PackedGroup`), with bytes methods that screen each varint
+by its length and top byte and each float by its top byte (numpy decodes the rare ones the
+screen leaves open), without a Python object per element; a group that check cannot vouch
+for (a value out of bounds, an element sent unpacked) is read element by element by
+`check_group`, which finds the reason. Either way a group gets the same verdict.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from jetctl.server.store import GroupFacts
 
@@ -40,6 +51,9 @@ MAX_ABS_REWARD = 1e9
 MIN_LOGPROB = -1000.0
 # a logprob is <= 0; allow this much float noise above it
 MAX_LOGPROB = 1e-3
+# packed token ids longer than this are checked group by group: the screen's copies and
+# numpy's temporaries (about 25 bytes per byte) stay small however large a message is
+MAX_PACKED_ID_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,46 @@ def check_group(
     """The ack a group deserves at Submit, given the server's current version.
 
     `g` is a `TrajectoryGroup` protobuf message (read in place) or dataclass."""
-    facts = _read_group(g, limits, version)
+    return _judge(g, _read_group(g, limits, version).facts, limits, version, refused_revisions)
+
+
+def check_groups(
+    groups: Sequence[Any], views: Sequence[Any | None], limits: Limits, version: int,
+    refused_revisions: frozenset[str],
+) -> list[Verdict]:
+    """`check_group` of each group of a Submit request, the same verdicts, with every token
+    id and logprob checked over the packed bytes of all the groups at once.
+
+    `views[i]` is `groups[i]`'s `PackedGroup` (None: read that group element by element).
+    Sound because a view holds a subset of each call's elements (its packed occurrences), so
+    when their count equals the message's (`len`, which makes no element objects) it holds
+    all of them."""
+    reads = [
+        _read_group(g, limits, version, values=False) if view is not None else None
+        for g, view in zip(groups, views)
+    ]
+    # groups valid but for their values; each of the others is read element by element
+    # (a reason found without the values may not be the first one with them)
+    candidates = {i: r for i, r in enumerate(reads) if r is not None and r.values_to_check}
+    vouched: dict[int, _Read] = {}
+    if _packed_values_ok([views[i] for i in candidates], list(candidates.values()), limits):
+        vouched = candidates
+    elif len(candidates) > 1:  # one group (or an unpacked element) spoilt it: find which
+        vouched = {
+            i: r for i, r in candidates.items() if _packed_values_ok([views[i]], [r], limits)
+        }
+    return [
+        _judge(g, vouched[i].facts, limits, version, refused_revisions)
+        if i in vouched else check_group(g, limits, version, refused_revisions)
+        for i, g in enumerate(groups)
+    ]
+
+
+def _judge(
+    g: Any, facts: GroupFacts | str, limits: Limits, version: int,
+    refused_revisions: frozenset[str],
+) -> Verdict:
+    """The verdict on a group read as `facts` (or the reason it is invalid)."""
     if isinstance(facts, str):
         return Verdict("invalid", f"invalid: {facts}")
     # an entry is a revision (every task) or `<task>/<revision>` (swap-clients --drop-old)
@@ -119,20 +172,34 @@ def _trajectory_shape(t: Any, limits: Limits) -> str:
     return ""
 
 
-def _read_group(g: Any, limits: Limits, version: int) -> GroupFacts | str:
+@dataclass(frozen=True)
+class _Read:
+    """A group read in one pass: its facts or why it is invalid, and how many token ids and
+    logprobs its calls hold (counted by `len` when their values were not read)."""
+
+    facts: GroupFacts | str
+    n_ids: int = 0
+    n_logprobs: int = 0
+    values_to_check: bool = False  # valid, but its ids and logprobs were not read
+
+
+def _read_group(g: Any, limits: Limits, version: int, values: bool = True) -> _Read:
     """One pass: the group's facts, or why it is invalid. Every length is checked before
-    the elements behind it are read."""
+    the elements behind it are read; token ids and logprobs only when `values`."""
     reason = _ids_too_long(g, limits) or _too_many_trajectories(g, limits)
     if reason:
-        return reason
+        return _Read(reason)
     gid = g.id
     if not gid:
-        return "group id is empty"
+        return _Read("group id is empty")
     if g.model != limits.model:
-        return f"model {_short(g.model)} is not served here (this server trains {limits.model!r})"
+        return _Read(
+            f"model {_short(g.model)} is not served here (this server trains {limits.model!r})"
+        )
     trajectories = g.trajectories
     if not trajectories:
-        return "group has no trajectories"
+        return _Read("group has no trajectories")
+    n_ids = n_logprobs = 0
     ids: list[str] = []
     seen: set[str] = set()
     revisions: set[str] = set()
@@ -142,44 +209,56 @@ def _read_group(g: Any, limits: Limits, version: int) -> GroupFacts | str:
         # each attribute of a protobuf message is read once: a read makes a Python object
         tid, group_id, revision, calls = t.id, t.group_id, t.client_revision, t.calls
         if max(len(tid), len(group_id), len(revision)) > limits.max_id_chars:
-            return _trajectory_shape(t, limits)
+            return _Read(_trajectory_shape(t, limits))
         if len(calls) > limits.max_calls_per_trajectory:
-            return _trajectory_shape(t, limits)
+            return _Read(_trajectory_shape(t, limits))
         if not tid or tid in seen:
-            return f"trajectory id {_short(tid)} is empty or repeated"
+            return _Read(f"trajectory id {_short(tid)} is empty or repeated")
         if group_id != gid:
-            return f"trajectory {tid} has group_id {_short(group_id)}, expected {gid!r}"
+            return _Read(f"trajectory {tid} has group_id {_short(group_id)}, expected {gid!r}")
         if t.status != "ok":
-            return f"trajectory {tid} has status {_short(t.status)}; only ok ones are trained"
+            return _Read(
+                f"trajectory {tid} has status {_short(t.status)}; only ok ones are trained"
+            )
         reward = t.reward
         if not abs(reward) <= MAX_ABS_REWARD:  # also NaN
-            return f"trajectory {tid} reward is {reward}, outside ±{MAX_ABS_REWARD:g}"
+            return _Read(f"trajectory {tid} reward is {reward}, outside ±{MAX_ABS_REWARD:g}")
         if not calls:
-            return f"trajectory {tid} has no LLM calls"
+            return _Read(f"trajectory {tid} has no LLM calls")
         for i, c in enumerate(calls):
-            reason = _call_reason(c.prompt_ids, c.completion_ids, c.completion_logprobs, limits)
+            prompt_ids, completion_ids, logprobs = (
+                c.prompt_ids, c.completion_ids, c.completion_logprobs
+            )
+            reason = _call_reason(prompt_ids, completion_ids, logprobs, limits, values)
             if reason:
-                return f"trajectory {tid} call {i}: {reason}"
+                return _Read(f"trajectory {tid} call {i}: {reason}")
             if c.model != limits.model:
-                return f"trajectory {tid} call {i}: model {_short(c.model)} is not served here"
+                return _Read(
+                    f"trajectory {tid} call {i}: model {_short(c.model)} is not served here"
+                )
             v = c.model_version
             if v > version or v < 0:
-                return f"trajectory {tid} call {i}: model_version {v} is not in [0, {version}]"
+                return _Read(
+                    f"trajectory {tid} call {i}: model_version {v} is not in [0, {version}]"
+                )
             min_version = min(min_version, v)
+            n_ids += len(prompt_ids) + len(completion_ids)
+            n_logprobs += len(logprobs)
         ids.append(tid)
         seen.add(tid)
         revisions.add(revision)
         rewards.append(reward)
-    return GroupFacts(
+    facts = GroupFacts(
         id=gid, task=g.task, n_trajectories=len(ids), min_version=min_version,
         trajectory_ids=tuple(ids), revisions=tuple(sorted(revisions)),
         reward_sum=math.fsum(rewards),
     )
+    return _Read(facts, n_ids, n_logprobs, values_to_check=not values)
 
 
 def _call_reason(
     prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float],
-    limits: Limits,
+    limits: Limits, values: bool = True,
 ) -> str:
     n_prompt, n_completion = len(prompt_ids), len(completion_ids)
     if not n_prompt or not n_completion:
@@ -190,7 +269,10 @@ def _call_reason(
         return (
             f"{n_prompt + n_completion} tokens > max_context_tokens {limits.max_context_tokens}"
         )
-    # This is the Submit hot path. Reading a protobuf repeated field makes one Python object
+    if not values:
+        return ""
+    # Without packed bytes (or when they showed something out of bounds), each element is
+    # read here. Reading a protobuf repeated field makes one Python object
     # per element, so each field is read once, into a list (bounded by the lengths above),
     # and min and max then run over the list in C.
     ids = list(prompt_ids)
@@ -205,6 +287,125 @@ def _call_reason(
     if min(lps) < MIN_LOGPROB:
         return f"logprob {min(lps):g} < {MIN_LOGPROB:g}: not from a sampler"
     return ""
+
+
+def _packed_values_ok(views: Sequence[Any], reads: Sequence[_Read], limits: Limits) -> bool:
+    """True when the packed bytes of `views` (`PackedGroup`s) hold exactly the token ids and
+    logprobs that `reads` counted, every id in [0, vocab_size) and every logprob in
+    [MIN_LOGPROB, MAX_LOGPROB]. False: not shown here, read the elements one by one."""
+    id_chunks: list[bytes] = []
+    lp_chunks: list[bytes] = []
+    for view in views:
+        for tv in view.trajectories:
+            for cv in tv.calls:
+                id_chunks += cv.prompt_ids
+                id_chunks += cv.completion_ids
+                lp_chunks += cv.completion_logprobs
+    ids, lps = b"".join(id_chunks), b"".join(lp_chunks)
+    n_ids = sum(r.n_ids for r in reads)
+    n_logprobs = sum(r.n_logprobs for r in reads)
+    if not n_ids or not n_logprobs or len(ids) > MAX_PACKED_ID_BYTES:
+        return False
+    return (
+        len(lps) == 4 * n_logprobs and _logprobs_in_range(lps)
+        and _varints_below(ids, n_ids, limits.vocab_size)
+    )
+
+
+def _varints_below(data: bytes, count: int, bound: int) -> bool:
+    """True when `data` is exactly `count` varints, each < `bound` (<= 2**31).
+
+    Read with bytes methods over a class per byte (`_VarintScreen`), not a number per
+    varint; only when the classes leave a varint undecided are they all decoded (numpy).
+    Below 2**31 a varint's value is the parser's int32 (the low 32 bits)."""
+    screen = _VarintScreen.of(bound)
+    marks = data.translate(screen.table)
+    continuations = marks.count(b"c")
+    if len(marks) - continuations != count or marks.endswith(b"c"):
+        return False
+    # every L-byte varint ends in a byte marked t, and none is longer: then all are below
+    if screen.digits == 1:
+        plain = not continuations and b"H" not in marks
+    else:
+        run = b"c" * (screen.digits - 1)
+        n_runs = continuations if screen.digits == 2 else marks.count(run)
+        plain = marks.count(run + b"t") == n_runs and (
+            screen.digits == 2 or run + b"c" not in marks
+        )
+    return plain or _decoded_below(data, bound)
+
+
+@dataclass(frozen=True)
+class _VarintScreen:
+    """Byte classes that bound varints by their length and top byte.
+
+    A varint is 7 bits per byte, little-endian; its last byte is the one below 0x80. Let
+    bound - 1 take L (`digits`) such digits and bound = T * 128**(L-1) + R. A varint of
+    fewer than L bytes is < 128**(L-1) <= bound - 1; one of L bytes whose top byte is below
+    T is below the bound. `table` marks each byte: c (continuation), t (a last byte below
+    T), H (above it). The rest (longer varints, top bytes of T or more: rare, and values
+    at or past the bound) are decoded."""
+
+    table: bytes
+    digits: int
+
+    @classmethod
+    @functools.lru_cache(maxsize=8)
+    def of(cls, bound: int) -> _VarintScreen:
+        digits = 1
+        while 128**digits <= bound - 1:
+            digits += 1
+        top = bound // 128 ** (digits - 1)
+        table = bytes(
+            ord("c") if byte >= 0x80 else ord("t") if byte < top else ord("H")
+            for byte in range(256)
+        )
+        return cls(table=table, digits=digits)
+
+
+def _decoded_below(data: bytes, bound: int) -> bool:
+    """True when every varint of `data` (at most 5 bytes each) is < `bound`, decoded."""
+    b = np.frombuffer(data, np.uint8)
+    ends = np.flatnonzero(b < 0x80)  # the last byte of each varint
+    lengths = np.diff(ends, prepend=-1)
+    if int(lengths.max()) > 5:
+        return False
+    place = np.arange(b.size) - np.repeat(ends - lengths + 1, lengths)  # in its varint
+    # each byte's 7 bits at their place; a varint's value is the sum over its bytes, read as
+    # differences of one running sum (np.add.reduceat pays per varint, this per byte)
+    running = np.cumsum((b & 0x7F).astype(np.int64) << (7 * place))[ends]
+    return int(np.diff(running, prepend=0).max()) < bound
+
+
+def _logprobs_in_range(data: bytes) -> bool:
+    """True when every float32 in `data` is in [MIN_LOGPROB, MAX_LOGPROB] (NaN is not).
+
+    Read first by each float's top byte (its sign and high 7 exponent bits): most logprobs
+    have one that puts them inside the bounds whatever the other bytes hold
+    (`_PLAIN_LOGPROB_TOPS`); only when some float has another are all compared (numpy)."""
+    if not data[3::4].translate(None, _PLAIN_LOGPROB_TOPS):  # little-endian: byte 3 is the top
+        return True
+    lps = np.frombuffer(data, "<f4")
+    # compared as Python floats (float64), as the element-by-element check compares them
+    low, high = float(np.minimum.reduce(lps)), float(np.maximum.reduce(lps))
+    return MIN_LOGPROB <= low and high <= MAX_LOGPROB
+
+
+def _plain_top_bytes() -> bytes:
+    """Top bytes of the float32s that are all within [MIN_LOGPROB, MAX_LOGPROB].
+
+    A top byte holds the sign and the exponent's high 7 bits k, so every float with it has a
+    magnitude below 2**(2k + 2 - 127) (the exponent is 2k or 2k + 1, biased by 127); NaN
+    and inf (k = 127) are never plain."""
+    plain = bytearray()
+    for top in range(256):
+        bound = MAX_LOGPROB if top < 0x80 else -MIN_LOGPROB
+        if 2.0 ** (2 * (top & 0x7F) + 2 - 127) <= bound:
+            plain.append(top)
+    return bytes(plain)
+
+
+_PLAIN_LOGPROB_TOPS = _plain_top_bytes()  # [0, 2**-11) and (-512, -0]
 
 
 def check_generate(

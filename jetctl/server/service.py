@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any, cast
 
 import grpc
@@ -23,11 +22,11 @@ from google.protobuf.message import DecodeError
 
 from jetctl.auth import METADATA_KEY
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.proto.convert import group_payloads, weight_frames
-from jetctl.server.admission import Limits, check_generate, check_group
+from jetctl.proto.convert import group_payloads, packed_groups, weight_frames
+from jetctl.server.admission import Limits, check_generate, check_groups
 from jetctl.server.engines.base import Engine, GenRequest
 from jetctl.server.metrics import ServerMetrics
-from jetctl.server.store import PutResult, TrajectoryStore
+from jetctl.server.store import Put, TrajectoryStore
 from jetctl.server.trainer import Trainer
 from jetctl.server.weights import WeightsPayload
 
@@ -209,12 +208,15 @@ class SwarmService:
         if not req.groups:
             return pb.SubmitReply(model_version=self.trainer.version)
         version = self.trainer.version
-        pending: list[tuple[int, str, int, Future[PutResult]]] = []  # ack index, id, trajs
+        pending: list[tuple[int, str, int]] = []  # ack index, group id, trajectories
+        puts: list[Put] = []
         acks: list[pb.Ack | None] = []
-        for gm, payload in zip(req.groups, group_payloads(raw, req)):
+        groups = req.groups
+        verdicts = check_groups(groups, _packed_views(raw, len(groups)), self.limits, version,
+                                self.refused_revisions)
+        for gm, payload, verdict in zip(groups, group_payloads(raw, req), verdicts):
             n_traj = len(gm.trajectories)
             self.metrics.received.labels(task=self._task_label(gm.task)).inc(n_traj)
-            verdict = check_group(gm, self.limits, version, self.refused_revisions)
             # an id this long is refused; echoing it whole could push the reply past the cap
             gid = gm.id[: self.limits.max_id_chars]
             if verdict.facts is None:
@@ -231,11 +233,12 @@ class SwarmService:
                 continue
             self.metrics.version_lag.observe(max(verdict.facts.lag(version), 0))
             stored = payload if verdict.outcome == "accepted" else b""
-            fut = self.store.put(verdict.facts, stored, verdict.outcome, verdict.reason)  # type: ignore[arg-type]
-            pending.append((len(acks), verdict.facts.id, n_traj, fut))
+            puts.append(Put(verdict.facts, stored, verdict.outcome, verdict.reason))  # type: ignore[arg-type]
+            pending.append((len(acks), verdict.facts.id, n_traj))
             acks.append(None)
-        for index, group_id, n_traj, fut in pending:
-            res = await asyncio.wrap_future(fut)
+        # one future for the request's groups: one wake-up of this loop, not one per group
+        results = await asyncio.wrap_future(self.store.put_many(puts)) if puts else []
+        for (index, group_id, n_traj), res in zip(pending, results):
             if res.outcome == "accepted":
                 self._accepted_times.append((time.monotonic(), n_traj))
             elif res.outcome == "busy":
@@ -314,6 +317,16 @@ class SwarmService:
             starving_tasks=sorted(t for t, m in mixed.items() if m["starving"]),
             staleness_by_task=f.staleness_by_task(),
         )
+
+
+def _packed_views(raw: bytes, n_groups: int) -> list[Any]:
+    """Each group's packed view (its token ids and logprobs as bytes), or None for each where
+    the request's bytes do not parse that way: then admission reads the elements one by one."""
+    try:
+        views = list(packed_groups(raw))
+    except DecodeError:
+        return [None] * n_groups
+    return views if len(views) == n_groups else [None] * n_groups
 
 
 def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.ServerInterceptor:

@@ -4,7 +4,8 @@ Every group the server answers for is a row: `buffered` (accepted, waiting to be
 `trained` (with the step that used it) or `rejected` (its `refusal`: stale | invalid |
 revision, and a free-text `reason` for people). A group is acked only after its row is
 committed, so an ack survives kill -9. Writes from concurrent Submit calls are committed
-together by one writer thread (group commit): one fsync covers many groups.
+together by one writer thread (group commit): one fsync covers many groups, and the groups
+of one Submit (`put_many`) share one future, resolved once for all of them.
 
 A group is kept as the bytes it arrived in (its `TrajectoryGroup` protobuf, sliced out of
 the Submit request): admission reads the message in place, the store writes those bytes and
@@ -161,13 +162,20 @@ class StoreCounts:
     rejected_trajectories: dict[str, int]
 
 
-@dataclass
-class _PutRequest:
+@dataclass(frozen=True)
+class Put:
+    """A group to record: its facts, its bytes, and what to record when its id is new."""
+
     facts: GroupFacts
     payload: bytes
-    outcome: Outcome  # what to record when new: accepted | stale | revision
-    reason: str
-    future: Future[PutResult]
+    outcome: Outcome = "accepted"  # accepted | stale | revision
+    reason: str = ""
+
+
+@dataclass
+class _PutRequest:
+    puts: list[Put]
+    future: Future[list[PutResult]]
 
 
 class TrajectoryStore:
@@ -279,8 +287,26 @@ class TrajectoryStore:
         stale or revision. An accepted group that would pass `max_buffer_groups` is not
         stored: it resolves to `busy`, to be sent again later."""
         facts = group if isinstance(group, GroupFacts) else GroupFacts.of(group)
-        fut: Future[PutResult] = Future()
-        self._queue.put(_PutRequest(facts, payload, outcome, reason, fut))
+        many = self.put_many([Put(facts, payload, outcome, reason)])
+        one: Future[PutResult] = Future()
+
+        def resolve(done: Future[list[PutResult]]) -> None:
+            if one.cancelled():
+                return
+            exc = done.exception()
+            if exc is not None:
+                one.set_exception(exc)
+            else:
+                one.set_result(done.result()[0])
+
+        many.add_done_callback(resolve)
+        return one
+
+    def put_many(self, puts: list[Put]) -> Future[list[PutResult]]:
+        """Record groups (a Submit's); one future resolves, once all are committed, to each
+        one's result in order."""
+        fut: Future[list[PutResult]] = Future()
+        self._queue.put(_PutRequest(puts, fut))
         return fut
 
     def _write_loop(self) -> None:
@@ -289,7 +315,8 @@ class TrajectoryStore:
             if first is None:
                 return
             batch = [first]
-            while len(batch) < MAX_BATCH:
+            n_puts = len(first.puts)
+            while n_puts < MAX_BATCH:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -298,6 +325,7 @@ class TrajectoryStore:
                     self._queue.put(None)  # finish this batch, then stop
                     break
                 batch.append(nxt)
+                n_puts += len(nxt.puts)
             self._commit(batch)
 
     def _commit(self, batch: list[_PutRequest]) -> None:
@@ -311,7 +339,8 @@ class TrajectoryStore:
         try:
             with self._db_lock:
                 self._db.execute("BEGIN IMMEDIATE")
-                ids = [req.facts.id for req in batch]
+                puts = [put for req in batch for put in req.puts]
+                ids = [put.facts.id for put in puts]
                 known: dict[str, PutResult] = {
                     gid: _recorded_outcome(state, refusal, reason)
                     for gid, state, refusal, reason in self._db.execute(
@@ -320,30 +349,30 @@ class TrajectoryStore:
                         ids,
                     )
                 }
-                for req in batch:
-                    f = req.facts
+                for put in puts:
+                    f = put.facts
                     if f.id in known:
                         results.append(known[f.id])
                         continue
-                    if req.outcome == "accepted" and room <= 0:
+                    if put.outcome == "accepted" and room <= 0:
                         results.append(PutResult("busy", _busy_reason(self.max_buffer_groups)))
                         continue
-                    buffered = req.outcome == "accepted"
-                    refusal = "" if buffered else req.outcome
-                    reason = "" if buffered else (req.reason or req.outcome)
+                    buffered = put.outcome == "accepted"
+                    refusal = "" if buffered else put.outcome
+                    reason = "" if buffered else (put.reason or put.outcome)
                     rows.append((
                         f.id, f.task, f.n_trajectories, f.min_version,
                         "buffered" if buffered else "rejected", reason, refusal, now,
-                        req.payload if buffered else None, ",".join(f.trajectory_ids),
+                        put.payload if buffered else None, ",".join(f.trajectory_ids),
                         ",".join(f.revisions), f.reward_sum,
                     ))
-                    result = PutResult(req.outcome, req.reason)
+                    result = PutResult(put.outcome, put.reason)
                     results.append(result)
                     # the same id twice in one batch: the second hears what the first got
                     known[f.id] = result if not buffered else PutResult("duplicate", "")
                     if buffered:
                         room -= 1
-                        accepted.append(StoredGroup(f, req.payload, now, self._codec.decode))
+                        accepted.append(StoredGroup(f, put.payload, now, self._codec.decode))
                 self._db.executemany(
                     "INSERT INTO groups (id, task, n_traj, min_version, state, reason, refusal, "
                     "received_at, payload, trajectory_ids, revisions, reward_sum) "
@@ -363,12 +392,14 @@ class TrajectoryStore:
             with self._buffer_cond:
                 self._buffer.extend(accepted)
                 self._buffer_cond.notify_all()
-        for req, res in zip(batch, results):
+        start = 0
+        for req in batch:
             # a caller that gave up (its Submit was cancelled at its deadline) cancelled the
             # future; the row is committed all the same and a resend hears DUPLICATE. Setting
             # a cancelled future raises, which killed this thread and stalled every Submit.
             if not req.future.cancelled():
-                req.future.set_result(res)
+                req.future.set_result(results[start : start + len(req.puts)])
+            start += len(req.puts)
 
     def recorded(self, group_id: str) -> PutResult | None:
         """The outcome a group already stored would get again (None: never stored)."""

@@ -8,8 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jetctl.proto.convert import group_to_pb
-from jetctl.server.admission import Limits, check_generate, check_group
+from jetctl.proto._gen import packed_pb2
+from jetctl.proto._gen import swarm_pb2 as pb
+from jetctl.proto.convert import group_to_pb, packed_groups
+from jetctl.server.admission import (
+    MAX_LOGPROB,
+    MIN_LOGPROB,
+    Limits,
+    _logprobs_in_range,
+    _varints_below,
+    check_generate,
+    check_group,
+    check_groups,
+)
 from jetctl.server.store import GroupCodec, GroupFacts
 from jetctl.types import LLMCall, TrajectoryGroup
 from tests.factories import make_group
@@ -151,3 +162,87 @@ def test_a_protobuf_group_is_judged_as_its_decoded_dataclass(
         assert fast.outcome in ("accepted", "stale") and fast.facts == GroupFacts.of(g)
     elif defect != "repeated_id" or len(g.trajectories) > 1:
         assert fast.outcome == "invalid", defect
+
+
+# --- a Submit's groups are judged from their packed bytes exactly as one by one
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(cases=st.lists(st.composite(defective)(), min_size=1, max_size=4))
+def test_a_request_is_judged_from_its_packed_bytes_as_group_by_group(
+    cases: list[tuple[str, TrajectoryGroup]],
+) -> None:
+    raw = pb.SubmitRequest(groups=[group_to_pb(g) for _, g in cases]).SerializeToString()
+    req = pb.SubmitRequest.FromString(raw)
+    one_by_one = [check_group(gm, LIMITS, 3, frozenset()) for gm in req.groups]
+    packed = check_groups(req.groups, list(packed_groups(raw)), LIMITS, 3, frozenset())
+    assert packed == one_by_one, [d for d, _ in cases]
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: key, length, bytes."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int32 is sent as 10 bytes (two's complement, 64 bits)
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
+@pytest.mark.parametrize("extra_id, outcome", [(7, "accepted"), (LIMITS.vocab_size, "invalid")])
+@pytest.mark.parametrize("encoding", ["unpacked", "second packed run"])
+def test_ids_outside_the_first_packed_run_are_checked_too(
+    extra_id: int, outcome: str, encoding: str
+) -> None:
+    """Parsers accept a repeated scalar unpacked (one varint field per element) or in several
+    packed runs; the trainer would decode those ids too, so they are checked as well."""
+    g = group_to_pb(make_group(version=3))
+    call = g.trajectories[0].calls[0]
+    extra = (_varint(2 << 3) + _varint(extra_id) if encoding == "unpacked"
+             else _field(2, _varint(extra_id)))
+    del g.trajectories[0].calls[:]
+    trajectory = g.trajectories[0].SerializeToString() + _field(8, call.SerializeToString() + extra)
+    del g.trajectories[0]
+    raw = _field(1, g.SerializeToString() + _field(5, trajectory))
+    req = pb.SubmitRequest.FromString(raw)
+    assert list(req.groups[0].trajectories[-1].calls[0].prompt_ids)[-1] == extra_id
+    verdicts = check_groups(req.groups, list(packed_groups(raw)), LIMITS, 3, frozenset())
+    assert [v.outcome for v in verdicts] == [outcome]
+    assert verdicts == [check_group(req.groups[0], LIMITS, 3, frozenset())]
+
+
+@pytest.mark.parametrize("vocab", [1, 100, 128, 129, 733, 2048, 49152, 151936, 2**31])
+def test_packed_ids_are_bounded_as_their_values(vocab: int) -> None:
+    """Ids at the edges of each varint length, against vocabularies whose last id does and
+    does not fill its top byte; negative ids are 10-byte varints."""
+    edges = {0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28, 2**31 - 1,
+             vocab - 1, vocab, vocab + 1, 3 * 16384 + 7, -1, -(2**31)}
+    for value in sorted(e for e in edges if -(2**31) <= e < 2**31):  # int32
+        for others in ([], [0, vocab - 1], [vocab - 1, 5]):
+            ids = [*others, value]
+            data = packed_pb2.PackedCall.FromString(
+                pb.LLMCall(prompt_ids=ids).SerializeToString()).prompt_ids[0]
+            want = all(0 <= i < vocab for i in ids)
+            assert _varints_below(data, len(ids), vocab) == want, (vocab, ids)
+            assert not _varints_below(data, len(ids) + 1, vocab)
+
+
+def test_packed_logprobs_are_bounded_as_their_values() -> None:
+    """Each float32 against [MIN_LOGPROB, MAX_LOGPROB] as the element-by-element check
+    compares it (in float64), around the edges of the top-byte screen (2**-11, 512)."""
+    edges = [0.0, -0.0, 1e-30, -1e-30, 2**-11, 4.8e-4, 5e-4, 9.99e-4, MAX_LOGPROB, 1.01e-3,
+             2e-3, 0.5, -0.5, -20.0, -511.9, -512.0, -600.0, -999.9, MIN_LOGPROB, -1000.1,
+             -2048.0, -1e30, math.nan, math.inf, -math.inf]
+    for value in edges:
+        for others in ([], [-0.25], [-3.0, -700.0]):
+            lps = [*others, value]
+            data = packed_pb2.PackedCall.FromString(
+                pb.LLMCall(completion_logprobs=lps).SerializeToString()).completion_logprobs[0]
+            as_sent = [float(x) for x in pb.LLMCall.FromString(
+                pb.LLMCall(completion_logprobs=lps).SerializeToString()).completion_logprobs]
+            want = all(MIN_LOGPROB <= x <= MAX_LOGPROB for x in as_sent)  # False for NaN
+            assert _logprobs_in_range(data) == want, lps
