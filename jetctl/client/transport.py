@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -277,9 +278,13 @@ class SwarmTransport:
             metadata=self._metadata(),
             timeout=max(self.call_timeout_s, 600.0),
         )
-        # hashed as the chunks arrive (hashlib drops the GIL for large updates, so this
-        # overlaps with gRPC receiving the next ones) and joined once at the end
+        # each chunk is hashed as it arrives, in a worker thread (one, so in order): hashlib
+        # drops the GIL for large updates, so hashing runs on another core while this loop
+        # receives the next chunks; the chunks are joined once at the end, in a thread too
+        # (bytes.join drops the GIL), so the event loop is never blocked on 100s of MB
         digest = hashlib.sha256()
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="pull-sha256")
+        hashed: Future[None] | None = None
         parts: list[memoryview] = []
         received = 0
         first: ChunkView | None = None
@@ -303,11 +308,15 @@ class SwarmTransport:
                     raise WeightsError(
                         f"PullWeights sent more than total_bytes={first.total_bytes}"
                     )
-                digest.update(data)
+                hashed = hasher.submit(digest.update, data)
                 parts.append(data)
+            if hashed is not None:
+                await asyncio.wrap_future(hashed)  # the last update: every one before is done
         except grpc.aio.AioRpcError as e:
             self._note(e)
             raise
+        finally:
+            hasher.shutdown(wait=False, cancel_futures=True)
         self._note(None)
         if first is None:
             return None
@@ -319,7 +328,7 @@ class SwarmTransport:
             version=first.version,
             kind=first.kind,
             format=first.format,
-            data=b"".join(parts),
+            data=await asyncio.to_thread(b"".join, parts),
             sha256=first.sha256,
             adapter_config_json=first.adapter_config_json,
         )

@@ -1,8 +1,10 @@
 """Submit retries outages with backoff, treats a lost reply's retry (DUPLICATE) as success,
-follows a restarted server to its new endpoint, and never retries a refused token."""
+follows a restarted server to its new endpoint, and never retries a refused token; a weights
+pull is checked against its sha256."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -10,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from jetctl.client.transport import RetryPolicy, SwarmTransport
+from jetctl.client.transport import RetryPolicy, SwarmTransport, WeightsError
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_to_pb
-from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
+from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server, weight_chunks
 from tests.factories import make_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -77,5 +79,26 @@ async def test_bad_token_is_not_retried(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await transport.submit([group_to_pb(make_group())])
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() - t0 < 2.0
+    await transport.close()
+    await server.stop(None)
+
+
+async def test_pulled_weights_are_whole_and_a_flipped_byte_is_refused(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Each chunk is hashed in a worker thread as it arrives: the digest must still cover
+    every byte in order, so a pull comes back intact, and one byte changed in a middle
+    chunk (the announced sha256 being the original's) fails the check."""
+    data = os.urandom(300_000)
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    fake.weights = weight_chunks(1, "full", data, chunk=7_000)  # 43 chunks
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    weights = await transport.pull_weights(have_version=0)
+    assert weights is not None and weights.version == 1 and weights.data == data
+    middle = fake.weights[len(fake.weights) // 2]
+    middle.data = middle.data[:100] + bytes([middle.data[100] ^ 1]) + middle.data[101:]
+    with pytest.raises(WeightsError, match="sha256"):
+        await transport.pull_weights(have_version=0)
     await transport.close()
     await server.stop(None)
