@@ -336,6 +336,11 @@ class TrajectoryStore:
         now = time.time()
         # the trainer only takes from the buffer meanwhile, so the room can only grow
         room = self.max_buffer_groups - len(self._buffer)
+        # a caller that gave up (its Submit was cancelled at its deadline) cancelled its
+        # future; its rows are committed all the same and a resend hears DUPLICATE. The
+        # others cannot be cancelled from here on, so setting their result cannot raise
+        # (which killed this thread and stalled every Submit).
+        waiting = [req.future.set_running_or_notify_cancel() for req in batch]
         try:
             with self._db_lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -384,8 +389,8 @@ class TrajectoryStore:
             with self._db_lock:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
-            for req in batch:
-                if not req.future.cancelled():
+            for req, wants in zip(batch, waiting):
+                if wants:
                     req.future.set_exception(exc)
             return
         if accepted:
@@ -393,11 +398,8 @@ class TrajectoryStore:
                 self._buffer.extend(accepted)
                 self._buffer_cond.notify_all()
         start = 0
-        for req in batch:
-            # a caller that gave up (its Submit was cancelled at its deadline) cancelled the
-            # future; the row is committed all the same and a resend hears DUPLICATE. Setting
-            # a cancelled future raises, which killed this thread and stalled every Submit.
-            if not req.future.cancelled():
+        for req, wants in zip(batch, waiting):
+            if wants:
                 req.future.set_result(results[start : start + len(req.puts)])
             start += len(req.puts)
 

@@ -12,7 +12,7 @@ import pytest
 
 from jetctl.ledger import Ledger, LedgerError, ledger_from_files
 from jetctl.proto.convert import group_to_pb
-from jetctl.server.store import GroupCodec, GroupFacts, PutResult, TrajectoryStore
+from jetctl.server.store import GroupCodec, GroupFacts, Put, PutResult, TrajectoryStore
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
@@ -84,6 +84,25 @@ def test_ack_survives_kill_9(tmp_path: Path) -> None:
     assert p.exitcode == -signal.SIGKILL
     store = _open(tmp_path / "s.sqlite")
     assert [s.group.id for s in store.take(1, timeout_s=0.1)] == [acked]
+    store.close()
+
+
+def test_a_submits_groups_share_one_future_with_each_result_in_order(tmp_path: Path) -> None:
+    """put_many (one Submit's groups) resolves once, to one result per group in order: a
+    group repeated within the call hears DUPLICATE, a refusal is recorded as such, and a
+    cancelled call's groups are committed all the same."""
+    store = _open(tmp_path / "s.sqlite")
+    a, b, stale = make_group(), make_group(), make_group()
+    puts = [Put(GroupFacts.of(g), group_to_pb(g).SerializeToString()) for g in (a, b, a)]
+    puts.append(Put(GroupFacts.of(stale), b"", "stale", "stale: lag 9"))
+    assert [r.outcome for r in store.put_many(puts).result(5)] == [
+        "accepted", "accepted", "duplicate", "stale"]
+    store._db_lock.acquire()  # hold the writer so the future is still pending
+    c = make_group()
+    cancelled = store.put_many([Put(GroupFacts.of(c), group_to_pb(c).SerializeToString())])
+    cancelled.cancel()  # True unless the writer took it already: committed either way
+    store._db_lock.release()
+    assert store.put(c, group_to_pb(c).SerializeToString()).result(5).outcome == "duplicate"
     store.close()
 
 
