@@ -353,7 +353,7 @@ class Controller:
             if not wait:
                 return
             self._plot_thread.join()
-        signature = _metrics_signature(self.paths.metrics)
+        signature = _curve_signature(self.paths)
         if not signature or signature == self._plot_signature:
             return
         self._plot_signature = signature
@@ -384,12 +384,17 @@ def _describe(handles: list[NodeHandle]) -> str:
     )
 
 
-def _metrics_signature(metrics_dir: Path) -> tuple[tuple[str, float, int], ...]:
+def _curve_signature(paths: RunPaths) -> tuple[tuple[str, float, int], ...]:
+    """What the curves are made from: the step logs (reward_curve) and the servers' stores
+    with their WAL (reward_by_task: a group stored after the last step changes it too)."""
+    files = sorted(paths.metrics.glob("*.steps.jsonl"))
+    for store in paths.stores().values():
+        files += [store, store.with_name(store.name + "-wal")]
     out = []
-    for p in sorted(metrics_dir.glob("*.steps.jsonl")):
+    for p in files:
         try:
             st = p.stat()
         except OSError:
             continue
-        out.append((p.name, st.st_mtime, st.st_size))
+        out.append((str(p), st.st_mtime, st.st_size))
     return tuple(out)

@@ -105,3 +105,30 @@ def test_reward_by_task_is_each_tasks_groups_from_the_store(tmp_path: Path) -> N
         assert float(last["reward_last32"]) == pytest.approx(expected_last32[task], abs=1e-6)
     png = (tmp_path / "reward_by_task.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_group_stored_after_the_last_step_redraws_the_task_curve(tmp_path: Path) -> None:
+    """The controller redraws the curves when what they are made from changes: the step log,
+    and also the servers' stores, so groups that arrive after the last optimizer step (a
+    run's last minutes) reach reward_by_task (before, only a new step did)."""
+    from jetctl.controller.controller import _curve_signature
+    from jetctl.proto.convert import group_to_pb
+    from jetctl.rundir import RunPaths
+    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from tests.factories import make_group
+
+    paths = RunPaths(tmp_path)
+    paths.metrics.mkdir(parents=True)
+    (paths.metrics / "policy.steps.jsonl").write_text('{"step": 1}\n')
+    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite", decode=GroupCodec())
+    store.open(trained_through_step=0)
+    try:
+        first = make_group(task="web", rewards=(0.0, 1.0))
+        store.put(first, group_to_pb(first).SerializeToString()).result(5)
+        before = _curve_signature(paths)
+        assert before == _curve_signature(paths)  # nothing changed, nothing to redraw
+        later = make_group(task="web", rewards=(1.0, 1.0))
+        store.put(later, group_to_pb(later).SerializeToString()).result(5)
+        assert _curve_signature(paths) != before  # no new step, but a new group
+    finally:
+        store.close()
