@@ -70,25 +70,30 @@ def test_document_shape_and_types() -> None:
     assert "0.625" in console.export_text(), "the tasks table shows each task's reward"
 
 
-def test_a_team_task_shows_its_roles_models_and_each_roles_reward() -> None:
-    figures = {"big": 0.75, "small": 0.25}
+def _team_document(server_figures: dict[str, dict[str, object]]) -> dict:
+    """The status document of a run with one server per model (its figures on top of
+    SERVER_FIGURES) and one client node of task "team" whose roles are planner: big and
+    coder: small."""
     servers = [
         cpb.NodeStatus(name=f"server-{m}", kind="server", model=m, state="running",
-                       json=json.dumps({**SERVER_FIGURES, "model": m,
-                                        "received_by_task": {"team": "16"},
-                                        "reward_by_task": {"team": r}}))
-        for m, r in figures.items()
+                       json=json.dumps({**SERVER_FIGURES, "model": m, **extra}))
+        for m, extra in server_figures.items()
     ]
     client = {**CLIENT_FIGURES, "name": "team-0", "task": "team", "models": ["big", "small"],
               "roles": {"planner": "big", "coder": "small"}}
-    doc = document(cpb.RunStatusReply(
+    return document(cpb.RunStatusReply(
         run="t", run_dir="/runs/t", state="running",
         nodes=[*servers, cpb.NodeStatus(name="team-0", kind="client", task="team", model="big",
                                         state="running", revision="r0",
                                         json=json.dumps(client))],
     ))
+
+def test_a_team_task_shows_its_roles_models_and_each_roles_reward() -> None:
+    figures = {"big": 0.75, "small": 0.25}
+    doc = _team_document({m: {"received_by_task": {"team": "16"}, "reward_by_task": {"team": r}}
+                          for m, r in figures.items()})
     team = doc["tasks"]["team"]
-    assert team["models"] == ["big", "small"] and team["roles"] == client["roles"]
+    assert team["models"] == ["big", "small"] and team["roles"] == {"planner": "big", "coder": "small"}
     assert team["received"] == 32 and team["reward_by_model"] == figures
     assert team["reward"] == 0.5
     from rich.console import Console
@@ -308,20 +313,7 @@ def test_each_tasks_staleness_is_shown_per_role() -> None:
     """Status.staleness_by_task of each server: the tasks table shows a task's staleness in
     versions, a team's per role; the document keeps each model's and the largest."""
     lags = {"big": {"team": 0.5, "solo": 2.5}, "small": {"team": 3.0}}
-    servers = [
-        cpb.NodeStatus(name=f"server-{m}", kind="server", model=m, state="running",
-                       json=json.dumps({**SERVER_FIGURES, "model": m,
-                                        "staleness_by_task": by_task}))
-        for m, by_task in lags.items()
-    ]
-    client = {**CLIENT_FIGURES, "name": "team-0", "task": "team", "models": ["big", "small"],
-              "roles": {"planner": "big", "coder": "small"}}
-    doc = document(cpb.RunStatusReply(
-        run="t", run_dir="/runs/t", state="running",
-        nodes=[*servers, cpb.NodeStatus(name="team-0", kind="client", task="team", model="big",
-                                        state="running", revision="r0",
-                                        json=json.dumps(client))],
-    ))
+    doc = _team_document({m: {"staleness_by_task": by_task} for m, by_task in lags.items()})
     team, solo = doc["tasks"]["team"], doc["tasks"]["solo"]
     assert team["staleness_by_model"] == {"big": 0.5, "small": 3.0} and team["staleness"] == 3.0
     assert solo["staleness_by_model"] == {"big": 2.5} and solo["staleness"] == 2.5
