@@ -62,7 +62,7 @@ class RunFigures:
     reach_s: dict[str, float | None]  # threshold -> seconds (None: never)
     final_reward: float
     first_reward: float
-    trainer_busy: float  # fraction of the time after the first step spent training
+    trainer_busy: float  # share of the time after the first step's end spent training
     gen_batch_mean: float
     staleness_mean: float
     cpu_s: dict[str, float]  # process role -> CPU seconds (user + system)
@@ -73,10 +73,11 @@ class RunFigures:
 
 def figures(
     mode: str, latency_s: float, seed: int, wall_s: float, groups: list[dict[str, Any]],
-    step_times: list[float], train_s: list[float], gen_batches: list[float],
+    step_times: list[float], train: list[tuple[float, float]], gen_batches: list[float],
     staleness: list[float], cpu_s: dict[str, float], skipped: int | None = None,
 ) -> RunFigures:
-    """The same figures for both modes, from per-group and per-step records."""
+    """The same figures for both modes, from per-group and per-step records (`train`: each
+    step's end time and seconds of training)."""
     groups = sorted(groups, key=lambda g: g["t"])
     step_times = sorted(step_times)
     first = step_times[0] if step_times else None
@@ -104,7 +105,7 @@ def figures(
         reach_s=reach,
         final_reward=_mean(rewards[-FINAL_GROUPS:]),
         first_reward=_mean(rewards[:FINAL_GROUPS]),
-        trainer_busy=sum(train_s) / span if span > 0 else 0.0,
+        trainer_busy=_busy(train, first, wall_s),
         gen_batch_mean=_mean(gen_batches),
         staleness_mean=_mean(staleness),
         cpu_s=cpu_s,
@@ -114,6 +115,16 @@ def figures(
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _busy(train: list[tuple[float, float]], start: float | None, end: float) -> float:
+    """The share of [start, end] spent training. Each step trained during the seconds before
+    its end time; only the part inside the window counts (the first step trained before
+    `start`, its own end: counting it made a loop of a few long steps read over 100%)."""
+    if start is None or end <= start:
+        return 0.0
+    inside = sum(max(0.0, min(t, end) - max(t - s, start)) for t, s in train)
+    return inside / (end - start)
 
 
 # --- the cut-down recipe -------------------------------------------------------------
@@ -145,12 +156,15 @@ class CpuSampler:
     """CPU seconds per process role of a process tree, sampled every `interval_s`.
 
     Rollout processes are short: they are counted through their forkserver's reaped children
-    (`children_user/system`), not one by one."""
+    (`children_user/system`), not one by one. A process keeps the role of the last command
+    line read from it: an exiting process (the server, as the run ends) reads an empty one
+    while its CPU times still count (it was once filed under "other" then)."""
 
     def __init__(self, root_pid: int, interval_s: float = 1.0) -> None:
         self.root = root_pid
         self.interval_s = interval_s
         self.last: dict[int, tuple[str, float]] = {}
+        self.roles: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -160,6 +174,10 @@ class CpuSampler:
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
+        return self.totals()
+
+    def totals(self) -> dict[str, float]:
+        """CPU seconds per role, as of the last sample."""
         out: dict[str, float] = {}
         for role, cpu in self.last.values():
             out[role] = out.get(role, 0.0) + cpu
@@ -174,19 +192,28 @@ class CpuSampler:
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            for p in procs:
-                try:
-                    role = _role(p.cmdline())
-                    if role == "rollout":
-                        continue
-                    t = p.cpu_times()
-                    cpu = t.user + t.system
-                    if role == "rollouts":  # the forkserver and the rollouts it reaped
-                        cpu += t.children_user + t.children_system
-                    self.last[p.pid] = (role, cpu)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    continue
+            self.sample(procs)
             self._stop.wait(self.interval_s)
+
+    def sample(self, procs: list[Any]) -> None:
+        """Read each process's CPU seconds (`psutil.Process`es, or fakes of their methods)."""
+        import psutil
+
+        for p in procs:
+            try:
+                cmdline = p.cmdline()
+                if cmdline:  # empty while the process exits: it keeps its role
+                    self.roles[p.pid] = _role(cmdline)
+                role = self.roles.get(p.pid)
+                if role is None or role == "rollout":
+                    continue
+                t = p.cpu_times()
+                cpu = t.user + t.system
+                if role == "rollouts":  # the forkserver and the rollouts it reaped
+                    cpu += t.children_user + t.children_system
+                self.last[p.pid] = (role, cpu)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
 
 
 def _role(cmdline: list[str]) -> str:
@@ -237,7 +264,7 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
     fig = figures(
         "swarm", latency_s, seed, wall, groups,
         step_times=[s["time"] - t0_wall for s in stepped],
-        train_s=[s["timing/train_s"] for s in steps],
+        train=[(s["time"] - t0_wall, s["timing/train_s"]) for s in steps],
         gen_batches=gen, staleness=[s["staleness/mean"] for s in stepped], cpu_s=cpu,
         skipped=int(sum(s.get("groups/skipped", 0) for s in steps)),
     )
@@ -296,7 +323,8 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
         raise RuntimeError(f"the loop failed; see {out_dir / 'loop.log'}")
     out = json.loads(out_path.read_text())
     return figures(
-        "loop", latency_s, seed, wall, out["groups"], out["steps"], out["train_s"],
+        "loop", latency_s, seed, wall, out["groups"], out["steps"],
+        list(zip(out["steps"], out["train_s"])),
         [float(b) for b in out["gen_batches"]], [0.0] * len(out["steps"]),
         {"loop": usage.ru_utime + usage.ru_stime, "all": usage.ru_utime + usage.ru_stime},
     )

@@ -1,0 +1,87 @@
+"""`jetctl bench loop`'s figures from fakes of what it measures (no model, no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from jetctl.bench.loop import CpuSampler, figures
+
+pytestmark = pytest.mark.unit
+
+
+def test_trainer_busy_counts_only_training_after_the_first_step() -> None:
+    """A loop of few long steps (two-turn runs: 68 s of training per step, ending at 116 s
+    and 197 s of a 221 s run): the first step trained before the window [116, 221] opens,
+    so the trainer was busy 68 of its 105 s, not (68 + 68) / 105 = 130%."""
+    groups = [{"t": t, "reward": 0.5, "n": 8, "informative": True} for t in (40.0, 130.0)]
+    fig = figures("loop", 0.0, 0, wall_s=221.0, groups=groups, step_times=[116.0, 197.0],
+                  train=[(116.0, 68.0), (197.0, 68.0)], gen_batches=[16.0],
+                  staleness=[0.0, 0.0], cpu_s={})
+    assert fig.trainer_busy == pytest.approx(68.0 / 105.0)
+
+
+def test_trainer_busy_of_a_step_across_the_window_start_counts_its_part_inside() -> None:
+    """The swarm's second step began training before the first one ended (a step row's time
+    is its end): 3 of its 10 s fall after the first step, plus all of the third step's 5."""
+    fig = figures("swarm", 0.0, 0, wall_s=50.0, groups=[], step_times=[20.0, 23.0, 40.0],
+                  train=[(20.0, 12.0), (23.0, 10.0), (40.0, 5.0)], gen_batches=[],
+                  staleness=[], cpu_s={})
+    assert fig.trainer_busy == pytest.approx((3.0 + 5.0) / 30.0)
+
+
+@dataclass
+class FakeCpuTimes:
+    user: float
+    system: float = 0.0
+    children_user: float = 0.0
+    children_system: float = 0.0
+
+
+@dataclass
+class FakeProcess:
+    """What CpuSampler reads of a psutil.Process."""
+
+    pid: int
+    argv: list[str]
+    user: float = 0.0
+    reaped: float = 0.0
+
+    def cmdline(self) -> list[str]:
+        return self.argv
+
+    def cpu_times(self) -> FakeCpuTimes:
+        return FakeCpuTimes(self.user, children_user=self.reaped)
+
+
+PY = ["/usr/bin/python3", "-m", "jetctl.cli.main"]
+
+
+def test_an_exiting_server_keeps_its_cpu_under_server() -> None:
+    """As the run ends the server exits: its /proc cmdline reads empty while its CPU times
+    are still there. The last sample must file them under "server", not "other"."""
+    controller = FakeProcess(1, [*PY, "up", "/tmp/run.yaml"], user=9.0)
+    server = FakeProcess(2, [*PY, "server", "--model", "policy", "--port", "5"], user=100.0)
+    client = FakeProcess(3, [*PY, "client", "--task", "t", "--index", "0"], user=20.0)
+    forkserver = FakeProcess(
+        4, ["/usr/bin/python3", "-c", "from multiprocessing.forkserver import main"],
+        user=1.0, reaped=10.0,
+    )
+    sampler = CpuSampler(root_pid=1)
+    sampler.sample([controller, server, client, forkserver])
+    server.argv, server.user = [], 301.0  # exiting: no command line, final CPU seconds
+    sampler.sample([controller, server, client, forkserver])
+    assert sampler.totals() == {"controller": 9.0, "server": 301.0, "client": 20.0,
+                              "rollouts": 11.0}
+
+
+def test_a_process_read_before_its_exec_takes_its_role_once_it_has_one() -> None:
+    """Between fork and exec a child shows its parent's command line (the controller's);
+    the next sample, after the exec, files it under what it became."""
+    sampler = CpuSampler(root_pid=1)
+    child = FakeProcess(7, [*PY, "up", "/tmp/run.yaml"], user=0.0)
+    sampler.sample([child])
+    child.argv, child.user = [*PY, "server", "--model", "policy"], 50.0
+    sampler.sample([child])
+    assert sampler.totals() == {"server": 50.0}
