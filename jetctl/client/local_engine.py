@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,62 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def safetensors_views(buffer: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors payload as views into `buffer`, not copies (the payload
+    of a full model is hundreds of MB; `safetensors.torch.load` takes only `bytes` and copies
+    every tensor out of it). Layout (https://github.com/huggingface/safetensors): an 8-byte
+    little-endian header length, a JSON header {name: {dtype, shape, data_offsets: [begin,
+    end]}} and the data, offsets relative to its start. Raises WeightsError on a payload
+    that does not follow it."""
+    import torch
+
+    if len(buffer) < 8:
+        raise WeightsError(f"a safetensors payload of {len(buffer)} bytes has no header")
+    size = int.from_bytes(buffer[:8], "little")
+    if size > len(buffer) - 8:
+        raise WeightsError(f"safetensors header of {size} bytes in a {len(buffer)}-byte payload")
+    try:
+        header = json.loads(bytes(buffer[8 : 8 + size]))
+    except ValueError as e:
+        raise WeightsError(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise WeightsError("safetensors header is not a JSON object")
+    start, end = 8 + size, len(buffer)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = getattr(torch, SAFETENSORS_DTYPES[info["dtype"]])
+            shape = [int(n) for n in info["shape"]]
+            begin, stop = (start + int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightsError(
+                f"safetensors entry {name!r} is not one of {sorted(SAFETENSORS_DTYPES)} with "
+                f"a shape and data_offsets: {info!r}"
+            ) from None
+        count = math.prod(shape)
+        if not start <= begin <= stop <= end or stop - begin != count * dtype.itemsize:
+            raise WeightsError(
+                f"safetensors entry {name!r} ({info['dtype']} {shape}) has data_offsets "
+                f"{info['data_offsets']} outside its {end - start} bytes of data or of "
+                "another size"
+            )
+        if count == 0:  # frombuffer refuses an empty view
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(
+                buffer, dtype=dtype, count=count, offset=begin
+            ).reshape(shape)
+    return out
 
 
 class LocalEngine:
@@ -114,11 +171,9 @@ class LocalEngine:
 
     def apply(self, weights: Weights) -> None:
         """Load a verified payload into the model (under the generation lock)."""
-        from safetensors.torch import load as load_safetensors
-
         if weights.format not in ("", "safetensors"):
             raise WeightsError(f"weights format {weights.format!r} is not safetensors")
-        state = load_safetensors(weights.data)
+        state = safetensors_views(weights.data)
         with self._lock:
             if weights.kind == "lora":
                 self._apply_lora(state, weights.adapter_config_json)
