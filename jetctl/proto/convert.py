@@ -215,19 +215,48 @@ def read_weights_chunk(raw: bytes) -> ChunkView:
 
 
 def weight_frames(payload: WeightsPayload, chunk_bytes: int) -> list[bytes]:
-    """A weights payload as serialized PullWeights messages of `chunk_bytes` data each."""
+    """A weights payload as serialized PullWeights messages of `chunk_bytes` data each.
+
+    Encoded by hand, byte for byte what `pb.WeightsChunk(...).SerializeToString()` makes
+    (fields in number order, proto3 defaults left out; tests/proto/test_convert.py compares
+    the two): each frame is one join of its few header bytes and a slice of the payload,
+    where the protobuf path copies the data three times (a slice, the message, the
+    serialization)."""
     data = memoryview(payload.data)
     total = len(data)
+    sha = _string(WC_SHA256, payload.sha256)
     frames = []
     for offset in range(0, max(total, 1), chunk_bytes):
-        frames.append(pb.WeightsChunk(
-            version=payload.version,
-            format="safetensors",
-            kind=payload.kind,
-            total_bytes=total,
-            offset=offset,
-            data=bytes(data[offset : offset + chunk_bytes]),
-            sha256=payload.sha256,
-            adapter_config_json=payload.adapter_config_json if offset == 0 else "",
-        ).SerializeToString())
+        piece = data[offset : offset + chunk_bytes]
+        head = b"".join((
+            _int(WC_VERSION, payload.version), _string(WC_FORMAT, "safetensors"),
+            _string(WC_KIND, payload.kind), _int(WC_TOTAL_BYTES, total),
+            _int(WC_OFFSET, offset),
+            _key(WC_DATA, 2) + _encode_varint(len(piece)) if len(piece) else b"",
+        ))
+        config = payload.adapter_config_json if offset == 0 else ""
+        frames.append(b"".join((head, piece, sha, _string(WC_ADAPTER_CONFIG, config))))
     return frames
+
+
+def _key(number: int, wire: int) -> bytes:
+    return _encode_varint(number << 3 | wire)
+
+
+def _int(number: int, value: int) -> bytes:
+    """An int64 field (two's complement: a negative value takes ten bytes); 0 is left out."""
+    return _key(number, 0) + _encode_varint(value & (1 << 64) - 1) if value else b""
+
+
+def _string(number: int, value: str) -> bytes:
+    raw = value.encode()
+    return _key(number, 2) + _encode_varint(len(raw)) + raw if raw else b""
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

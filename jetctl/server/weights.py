@@ -30,7 +30,9 @@ def is_lora(model: Any) -> bool:
 
 
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    """The tensors that training changes (adapter only for LoRA), detached CPU copies."""
+    """The tensors that training changes (adapter only for LoRA), detached, on the CPU and
+    contiguous: the live tensors where they already are so (no copy of hundreds of MB; the
+    caller holds the weights lock until they are serialized)."""
     if is_lora(model):
         from peft import get_peft_model_state_dict
 
@@ -39,7 +41,7 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
 def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""`read_weights_chunk` reads a WeightsChunk's wire bytes exactly as protobuf would."""
+"""`read_weights_chunk` reads a WeightsChunk's wire bytes exactly as protobuf would, and
+`weight_frames` writes them exactly as protobuf would."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import pytest
 
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.proto.convert import read_weights_chunk
+from jetctl.proto.convert import read_weights_chunk, weight_frames
+from jetctl.server.weights import WeightsPayload
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +61,28 @@ def test_data_is_a_view_of_the_frame_not_a_copy() -> None:
 def test_bytes_that_are_not_a_chunk_are_refused(raw: bytes) -> None:
     with pytest.raises(ValueError):
         read_weights_chunk(raw)
+
+
+def _protobuf_frames(payload: WeightsPayload, chunk_bytes: int) -> list[bytes]:
+    """What `weight_frames` replaced: one WeightsChunk message serialized per chunk."""
+    total = len(payload.data)
+    return [pb.WeightsChunk(
+        version=payload.version, format="safetensors", kind=payload.kind, total_bytes=total,
+        offset=offset, data=payload.data[offset : offset + chunk_bytes],
+        sha256=payload.sha256,
+        adapter_config_json=payload.adapter_config_json if offset == 0 else "",
+    ).SerializeToString() for offset in range(0, max(total, 1), chunk_bytes)]
+
+
+@pytest.mark.parametrize("payload, chunk_bytes", [
+    (WeightsPayload(7, "full", os.urandom(300_000), "ab" * 32), 70_000),  # a short last one
+    (WeightsPayload(2**40, "lora", os.urandom(1000), "cd" * 32, '{"r": 16, "ü": 1}'), 1000),
+    (WeightsPayload(0, "", b"", ""), 4096),  # every field at its default: one bare frame
+    (WeightsPayload(-1, "full", b"x" * 200, "ef" * 32), 128),  # a negative int64
+])
+def test_weight_frames_are_byte_for_byte_protobufs_own(
+    payload: WeightsPayload, chunk_bytes: int
+) -> None:
+    frames = weight_frames(payload, chunk_bytes)
+    assert frames == _protobuf_frames(payload, chunk_bytes)
+    assert b"".join(bytes(read_weights_chunk(f).data) for f in frames) == payload.data
