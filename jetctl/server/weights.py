@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,46 @@ def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
                              f"unexpected {unexpected[:5]}")
 
 
+# safetensors' dtype names, in the order its serializer lays tensors out (largest first)
+SAFETENSORS_ORDER = {
+    torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def serialize(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """`safetensors.torch.save(state, metadata)`, byte for byte (tests/server/test_weights.py
+    compares them), in one copy of the tensors: the header, then every tensor's bytes read
+    in place and joined once (safetensors copies each tensor to `bytes`, then all of them
+    into its output). Same layout: tensors by dtype (the order above) then name, the JSON
+    header padded with spaces to 8 bytes. One metadata key at most: safetensors writes
+    several in no fixed order."""
+    if len(metadata) > 1:
+        raise ValueError(f"one metadata key at most, got {sorted(metadata)}")
+    rank = list(SAFETENSORS_ORDER)
+    for name, t in state.items():
+        if t.dtype not in SAFETENSORS_ORDER or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name}: {t.dtype} on {t.device} is not a contiguous CPU tensor "
+                             f"of {sorted(SAFETENSORS_ORDER.values())}")
+    order = sorted(state, key=lambda name: (rank.index(state[name].dtype), name))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    views, offset = [], 0
+    for name in order:
+        t = state[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_ORDER[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+        if size:
+            views.append(t.reshape(-1).view(torch.uint8).numpy().data)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([len(text).to_bytes(8, "little"), text, *views])
+
+
 def snapshot(model: Any, version: int) -> WeightsPayload:
-    data = st_save(trainable_state(model), metadata={"version": str(version)})
+    data = serialize(trainable_state(model), metadata={"version": str(version)})
     config = ""
     if is_lora(model):
         cfg = model.peft_config["default"].to_dict()
