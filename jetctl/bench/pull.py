@@ -2,14 +2,14 @@
 
 For each kind it starts a real `jetctl server --no-train` (the model's recipe with
 `finetune: full` or `finetune: lora`) and pulls its weights with the client's own code
-(`SwarmTransport.pull_weights`: chunks reassembled, size and sha256 checked), first cold
-(the server serializes and hashes the version: once per version) and then `repeats` times
-warm (the version's payload is cached). Reports bytes, seconds, MB/s and the CPU seconds of
+(`SwarmTransport.pull_weights`: chunks written into one buffer, size and sha256 checked),
+first cold (the server serializes and hashes the version: once per version) and then
+`repeats` times warm (the version's frames are cached). Reports bytes, seconds, MB/s and the CPU seconds of
 the server and of the pulling client, side by side.
 
 With `floor`, each kind is first pulled from a bare `grpc.aio` server that streams the same
 number of bytes in the same 4 MiB frames by a bare `grpc.aio` client that only counts them
-(no auth, no checks, no hash, no join): what gRPC in Python alone moves on this machine, the
+(no auth, no checks, no hash, no copy): what gRPC in Python alone moves on this machine, the
 ceiling for any PullWeights.
 
 Left out: TLS, a pull across machines, and applying the weights to a local model (`jetctl

@@ -125,9 +125,10 @@ def register(app: typer.Typer) -> None:
         console.print(table)
         console.print("cold: the first pull of a version (the server serializes and hashes it "
                       "once); warm: later pulls of the same version. The client is "
-                      "SwarmTransport.pull_weights: chunks reassembled, size and sha256 checked."
+                      "SwarmTransport.pull_weights: chunks written into one buffer, size and "
+                      "sha256 checked."
                       + (" floor: the same bytes in the same frames, bare gRPC server to bare "
-                         "gRPC client (no checks, no hash, no join)." if floor else ""),
+                         "gRPC client (no checks, no hash, no copy)." if floor else ""),
                       highlight=False)
 
     @bench.command("scale")
