@@ -4,8 +4,10 @@
 the prompt tokens computed. The tests drive requests and read those: the cap
 (`max_batch_size`), the wait for company (`batch_wait_ms`), every sampling setting in one
 batch, a newcomer joining the batch under way, a group's shared prompt computed once,
-cancelled requests never generated, and a waiting optimizer step getting the weights
-under steady load. (tests/server/test_engines.py checks what each reply holds.)
+a conversation's next turn computing only what is new (and replying as if computed
+whole), the KV cache emptied by a new version and bounded in bytes, cancelled requests
+never generated, and a waiting optimizer step getting the weights under steady load.
+(tests/server/test_engines.py checks what each reply holds.)
 """
 
 from __future__ import annotations
@@ -18,20 +20,28 @@ from functools import cache
 from typing import Any
 
 import pytest
+import torch
 
 from jetctl.recipe import GenerationConfig, ModelConfig
-from jetctl.server.engines import Engine, GenRequest, make_engine
-from jetctl.server.engines.hf import HFEngine
+from jetctl.server.engines import Engine, GenRequest, GenResult, make_engine
+from jetctl.server.engines.hf import KV_CACHE_BYTES, HFEngine
 from jetctl.server.locks import WeightsLock
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
+# fp32: KV computed a token at a time in one batch vs in one prefill differs only in the
+# order of float sums (~1e-6 on builtin:tiny); another version's weights move it ~1e-1
+LOGPROB_TOL = 1e-4
+
 
 @cache
-def tiny() -> tuple[Any, int]:
+def tiny(attn_implementation: str = "eager") -> tuple[Any, int]:
     from jetctl.models import load_model
 
-    model, tokenizer = load_model("builtin:tiny", progress=False)
+    model, tokenizer = load_model(
+        "builtin:tiny", attn_implementation=attn_implementation,  # type: ignore[arg-type]
+        progress=False,
+    )
     return model, int(tokenizer.eos_token_id)
 
 
@@ -158,6 +168,112 @@ async def test_a_groups_shared_prompt_is_computed_once() -> None:
     assert figures["generate/requests"] == 8
     assert figures["generate/prompt_tokens"] == 8 * len(prompt)
     assert figures["generate/prefill_tokens"] == len(prompt)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 700, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kv_engine(attn: str = "eager", kv_cache_bytes: int = KV_CACHE_BYTES) -> HFEngine:
+    """An engine without stop tokens (replies are exactly max_tokens long)."""
+    model, _ = tiny(attn)
+    return HFEngine(
+        model, eos_token_ids=[10**6], pad_token_id=0, weights_lock=WeightsLock(),
+        version=lambda: 0, max_batch_size=8, batch_wait_ms=0, kv_cache_bytes=kv_cache_bytes,
+    )
+
+
+async def ask(
+    e: HFEngine, prompt: list[int], max_tokens: int = 8,
+) -> tuple[GenResult, dict[str, float]]:
+    """A greedy reply and the figures of serving it alone."""
+    e.take_figures()
+    reply = await e.generate(GenRequest(prompt, max_tokens, 0.0, 1.0))
+    return reply, e.take_figures()
+
+
+@pytest.mark.parametrize("attn", ["eager", "jetctl_tree"])
+async def test_a_conversations_next_turn_prefills_only_what_is_new(attn: str) -> None:
+    """Turn 2 (turn 1's prompt + its reply + the environment's answer) reuses turn 1's KV and
+    computes only the rest; so does a turn 2 whose join differs from the sampled tokens. The
+    replies equal those of an engine that keeps no KV, to the float tolerance."""
+    first, answer = tokens(30, seed=1), tokens(10, seed=2)
+    cached, alone = kv_engine(attn), kv_engine(attn, kv_cache_bytes=0)
+    cached.start()
+    alone.start()
+    try:
+        reply, _ = await ask(cached, first)
+        sampled = reply.completion_ids  # 8 tokens; the last one never went through the model
+        turns = {
+            "extends the reply": (first + sampled + answer, len(answer) + 1),
+            "rewrites its end": (first + sampled[:5] + answer, len(answer)),
+        }
+        for name, (prompt, computed) in turns.items():
+            got, figures = await ask(cached, prompt)
+            want, whole = await ask(alone, prompt)
+            assert figures["generate/prefill_tokens"] == computed, name
+            assert figures["generate/reused_tokens"] == len(prompt) - computed, name
+            assert whole["generate/prefill_tokens"] == len(prompt), name
+            assert whole["generate/reused_tokens"] == 0, name
+            assert got.completion_ids == want.completion_ids, name
+            assert got.completion_logprobs == pytest.approx(want.completion_logprobs,
+                                                            abs=LOGPROB_TOL), name
+    finally:
+        await cached.stop()
+        await alone.stop()
+
+
+@pytest.mark.parametrize("where", ["trainer's model", "replica"])
+async def test_a_new_version_empties_the_kv_cache(where: str) -> None:
+    """KV computed at one version is never used at the next, whether the engine reads the
+    trainer's weights or gets them published to its replica: every token of a reply comes
+    from the version it names."""
+    model, _ = tiny()
+    lock, version = WeightsLock(), [0]
+    device = "cpu" if where == "replica" else None  # a replica of its own, published to
+    cfg = ModelConfig(model="builtin:tiny",
+                      generation=GenerationConfig(batch_wait_ms=0, device=device))
+    serving = make_engine(cfg, model, eos_token_ids=[10**6], pad_token_id=0, weights_lock=lock,
+                          version=lambda: version[0])
+    assert isinstance(serving.engine, HFEngine)
+    e = serving.engine
+    e.start()
+    prompt = tokens(30, seed=3)
+    try:
+        await ask(e, prompt)
+        again, figures = await ask(e, prompt)
+        assert figures["generate/prefill_tokens"] == 0  # the same version: all reused
+        with lock:  # an optimizer step
+            version[0] += 1
+        if serving.publish is not None:
+            serving.publish(version[0])
+        after, figures = await ask(e, prompt)
+    finally:
+        await e.stop()
+    assert (again.model_version, after.model_version) == (0, 1)
+    assert figures["generate/prefill_tokens"] == len(prompt)
+    assert figures["generate/reused_tokens"] == 0
+
+
+async def test_the_kv_cache_keeps_to_its_bytes_least_recently_used_out_first() -> None:
+    """Past its bound in bytes the cache lets go of the entry used longest ago."""
+    model, _ = tiny()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4  # K, V fp32
+    entry = 20 * per_token + c.vocab_size * 4  # a 20-token prompt's KV and its logits
+    e = kv_engine(kv_cache_bytes=int(2.5 * entry))  # room for two
+    e.start()
+    a, b, c3 = (tokens(20, seed=s) for s in (4, 5, 6))  # no common prefix
+    try:
+        for prompt in (a, b, c3):  # one-token replies: each leaves one 20-token entry
+            await ask(e, prompt, max_tokens=1)
+        _, newest = await ask(e, c3, max_tokens=1)
+        _, oldest = await ask(e, a, max_tokens=1)
+    finally:
+        await e.stop()
+    assert newest["generate/prefill_tokens"] == 0
+    assert oldest["generate/prefill_tokens"] == len(a)  # evicted when c3 came
 
 
 async def test_cancelled_requests_are_never_generated() -> None:

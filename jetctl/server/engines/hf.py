@@ -7,10 +7,22 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   the batch stays full while rollouts come and go (`max_batch_size` rows at most).
 * **Shared prompts are computed once.** A GRPO group asks for G completions of the same
   prompt at about the same time; identical prompts are prefilled once and their KV rows
-  copied, and a prompt prefilled earlier at the same model version is reused from a small
-  cache (group members that arrive a step late). On a CPU the prompt is most of the work:
-  16 rollouts of an 80-token prompt and 24 new tokens are 1,280 prompt tokens against 384
-  new ones, and deduplicated 160 against 384.
+  copied. On a CPU the prompt is most of the work: 16 rollouts of an 80-token prompt and
+  24 new tokens are 1,280 prompt tokens against 384 new ones, and deduplicated 160
+  against 384.
+* **Earlier turns are not computed again.** The KV of every prompt prefilled and of every
+  finished reply (prompt + generated tokens) is kept in one cache per model version
+  (`_KVCache`, at most `KV_CACHE_BYTES`, least recently used out first). A request starts
+  from the entry with the longest common token prefix with its prompt and prefills only
+  the rest, at the positions that follow: a group member that arrives a step late reuses
+  the whole prompt, and a conversation's next turn (the last prompt + the reply + the
+  environment's answer) reuses the turns before it. The prefix is matched token by token,
+  not as a whole, because the re-tokenized conversation may differ from the sampled
+  tokens near the join (a stop token, the chat template's separators); a partial match
+  shorter than `MIN_REUSE_TOKENS` is not worth the copy. The cache empties when the
+  version changes, so every token of a reply still comes from one version, and a next
+  turn that arrives after an optimizer step is prefilled whole (so are those of the
+  replies the engine finishes while the trainer waits for the weights).
 * **Exact versions.** The worker holds the weights lock while any reply is in flight, so
   every token of a reply comes from one model version. When the trainer (or a checkpoint
   or weight snapshot) waits for the lock, the worker admits nobody new, finishes the
@@ -26,8 +38,15 @@ One worker thread owns generation and runs a decode loop over the model's forwar
 `batch_wait_ms` is how long an idle engine waits for company before it starts a batch (the
 rest of a group's requests); later arrivals join at the next step anyway.
 
-Left out: paged KV (the cache is one left-padded tensor per layer, trimmed as rows
-leave), reuse of a conversation's earlier turns across requests, speculative decoding.
+Figures (`take_figures`, logged with each optimizer step as `generate/...`):
+`prompt_tokens` of the requests admitted, `prefill_tokens` actually computed, and
+`reused_tokens` taken from the cache instead (per distinct prompt of an admission; the
+rest of `prompt_tokens` is identical prompts admitted together, computed once).
+
+Left out: paged KV (the batch's cache is one left-padded tensor per layer, trimmed as rows
+leave; cached entries are copies, so a shared prefix is held once per entry), a prefix
+tree over the cached entries (lookup compares the prompt with each entry: a few dozen
+entries of a few hundred tokens), speculative decoding.
 """
 
 from __future__ import annotations
@@ -47,7 +66,13 @@ from transformers import DynamicCache
 
 from jetctl.server.engines.base import GenRequest, GenResult
 
-PROMPT_CACHE_ENTRIES = 16  # prefilled prompts kept for late group members (same version)
+# KV kept of earlier prompts and replies at the serving version. SmolLM2-135M in float32
+# holds 45 KiB per token (30 layers x K and V x 3 heads x 64 x 4 B), so 256 MiB is ~5,800
+# tokens, half the model's own weights: in the quickstart (prompts of ~100 tokens, replies
+# of up to 24) the entries of the last ~25 requests, where a conversation's next turn needs
+# its reply's entry only for the moment the environment takes to answer.
+KV_CACHE_BYTES = 256 * 2**20
+MIN_REUSE_TOKENS = 16  # a shorter partial match is prefilled anew (not worth the copies)
 
 
 @dataclass
@@ -89,7 +114,24 @@ class _Row:
 @dataclass
 class _Prefilled:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, H, T, D]
-    logits: torch.Tensor  # [V], the prediction after the prompt
+    logits: torch.Tensor  # [V], the prediction after the T tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.logits.nbytes + sum(k.nbytes + v.nbytes for k, v in self.kv)
+
+
+@dataclass
+class _Plan:
+    """A distinct prompt of an admission: `reused` tokens of `cached`'s KV, the rest computed."""
+
+    prompt: tuple[int, ...]
+    cached: _Prefilled | None
+    reused: int
+
+    @property
+    def suffix(self) -> tuple[int, ...]:
+        return self.prompt[self.reused:]
 
 
 @dataclass
@@ -101,7 +143,8 @@ class EngineFigures:
     rows: int = 0  # sum over decode steps of the rows in the batch
     tokens: int = 0
     prompt_tokens: int = 0  # of the requests admitted
-    prefill_tokens: int = 0  # actually computed (shared and cached prompts once)
+    prefill_tokens: int = 0  # actually computed (shared prompts once, cached prefixes never)
+    reused_tokens: int = 0  # taken from the KV of earlier prompts and replies (same version)
     busy_s: float = 0.0
 
 
@@ -120,6 +163,7 @@ class HFEngine:
         batch_wait_ms: float,
         on_batch: Callable[[int, int, float], None] | None = None,
         threads: int | None = None,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -137,6 +181,7 @@ class HFEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._rows: list[_Row] = []
+        self._kv = _KVCache(kv_cache_bytes)  # the worker's; read and written under the lock
         self._figures = EngineFigures()
         self._figures_lock = threading.Lock()
         self.busy_since: float | None = None  # monotonic start of the forward under way
@@ -180,6 +225,7 @@ class HFEngine:
             "generate/batch_size_mean": f.rows / f.decode_steps if f.decode_steps else 0.0,
             "generate/prefill_tokens": float(f.prefill_tokens),
             "generate/prompt_tokens": float(f.prompt_tokens),
+            "generate/reused_tokens": float(f.reused_tokens),
             "generate/busy_s": f.busy_s,
         }
 
@@ -207,7 +253,7 @@ class HFEngine:
     def _serve_one_version(self) -> None:
         """Serve until the batch empties; admit newcomers unless someone waits for the lock."""
         version = self._version()
-        prompts: OrderedDict[tuple[int, ...], _Prefilled] = OrderedDict()
+        self._kv.serve(version)  # KV of another version is forgotten
         state = _BatchState()
         while not self._stopping:
             if self._may_admit():
@@ -216,7 +262,7 @@ class HFEngine:
                     admitted, self._incoming = self._incoming[:room], self._incoming[room:]
                 admitted = [p for p in admitted if not p.cancelled]
                 if admitted:
-                    self._run_guarded(partial(self._admit, state, admitted, prompts), admitted)
+                    self._run_guarded(partial(self._admit, state, admitted), admitted)
             self._drop_cancelled(state)
             if not self._rows:
                 return
@@ -247,39 +293,43 @@ class HFEngine:
 
     # --- admission: prefill and merge ------------------------------------------------
 
-    def _admit(
-        self, state: _BatchState, admitted: list[_Pending],
-        prompts: OrderedDict[tuple[int, ...], _Prefilled],
-    ) -> None:
+    def _admit(self, state: _BatchState, admitted: list[_Pending]) -> None:
         keys = [tuple(p.req.prompt_ids) for p in admitted]
-        todo = [k for k in dict.fromkeys(keys) if k not in prompts]
-        computed = sum(len(k) for k in todo)
-        if todo:
-            for key, pre in zip(todo, self._prefill([list(k) for k in todo])):
-                prompts[key] = pre
-        for key in keys:
-            prompts.move_to_end(key)
-        while len(prompts) > max(PROMPT_CACHE_ENTRIES, len(set(keys))):
-            prompts.popitem(last=False)
+        plans = [self._kv.plan(key) for key in dict.fromkeys(keys)]
+        todo = [plan for plan in plans if plan.suffix]
+        ready = {plan.prompt: plan.cached for plan in plans if not plan.suffix}
+        for plan, pre in zip(todo, self._prefill(todo) if todo else []):
+            ready[plan.prompt] = self._kv.put(plan.prompt, pre)
         with self._figures_lock:
             self._figures.requests += len(admitted)
             self._figures.prompt_tokens += sum(len(k) for k in keys)
-            self._figures.prefill_tokens += computed
-        state.merge([prompts[k] for k in keys], self.device)
+            self._figures.prefill_tokens += sum(len(plan.suffix) for plan in todo)
+            self._figures.reused_tokens += sum(plan.reused for plan in plans)
+        state.merge([_must(ready[k]) for k in keys], self.device)
         for p in admitted:
             stops = frozenset(self.eos_token_ids) | frozenset(p.req.stop_token_ids)
             self._rows.append(_Row(p, stops))
 
-    def _prefill(self, prompts: list[list[int]]) -> list[_Prefilled]:
-        """One forward over the distinct prompts (left-padded); each one's KV and logits."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+    def _prefill(self, plans: list[_Plan]) -> list[_Prefilled]:
+        """One forward over the prompts' uncached suffixes, each on top of its cached prefix;
+        each prompt's whole KV and logits.
+
+        Row i of the forward: its prefix's KV left-padded to the longest prefix (W), then
+        its suffix left-padded to the longest suffix (S), so padding may sit between the
+        two; the mask hides it and the positions continue the prefix's (n_i, n_i + 1, ...).
+        """
+        prefix = max(plan.reused for plan in plans)  # W
+        width = max(len(plan.suffix) for plan in plans)  # S
+        ids = torch.full((len(plans), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(plans), prefix + width), dtype=torch.long)
+        positions = torch.zeros((len(plans), width), dtype=torch.long)
+        for i, plan in enumerate(plans):
+            n, s = plan.reused, len(plan.suffix)
+            ids[i, width - s:] = torch.tensor(plan.suffix)
+            mask[i, prefix - n:prefix] = 1
+            mask[i, prefix + width - s:] = 1
+            positions[i, width - s:] = torch.arange(n, n + s)
+        cache = _prefix_cache(plans, prefix)
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1,
@@ -287,9 +337,13 @@ class HFEngine:
         )
         logits = out.logits[:, -1].float()  # [P, V]
         result = []
-        for i, p in enumerate(prompts):
-            start = width - len(p)  # drop this prompt's left padding
-            kv = [(k[i : i + 1, :, start:], v[i : i + 1, :, start:]) for k, v, *_ in cache]
+        for i, plan in enumerate(plans):
+            n, s = plan.reused, len(plan.suffix)
+            kv = [  # this prompt's prefix and suffix, without the padding
+                (torch.cat([k[i : i + 1, :, prefix - n:prefix], k[i : i + 1, :, -s:]], dim=2),
+                 torch.cat([v[i : i + 1, :, prefix - n:prefix], v[i : i + 1, :, -s:]], dim=2))
+                for k, v, *_ in cache
+            ]
             result.append(_Prefilled(kv, logits[i]))
         return result
 
@@ -315,6 +369,11 @@ class HFEngine:
                 done.append((row, GenResult(row.ids, row.logprobs, version, "length")))
             else:
                 keep.append(i)
+                continue
+            # the conversation's next turn starts with this: the prompt and the reply (its
+            # last token never went through the model; the logits that chose it are kept)
+            key = tuple(row.pending.req.prompt_ids) + tuple(row.ids[:-1])
+            self._kv.put(key, state.row(i))
         with self._figures_lock:
             self._figures.decode_steps += 1
             self._figures.rows += len(rows)
@@ -372,6 +431,56 @@ class HFEngine:
             self._rows = [self._rows[i] for i in keep]
 
 
+class _KVCache:
+    """KV of token sequences computed at one model version (prompts prefilled, replies
+    finished), keyed by their tokens; least recently used out first beyond `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.version: int | None = None
+        self.entries: OrderedDict[tuple[int, ...], _Prefilled] = OrderedDict()
+        self.nbytes = 0
+
+    def serve(self, version: int) -> None:
+        """The worker holds the weights of `version` now: forget the KV of any other."""
+        if version != self.version:
+            self.entries.clear()
+            self.nbytes = 0
+            self.version = version
+
+    def plan(self, prompt: tuple[int, ...]) -> _Plan:
+        """Start `prompt` from the entry sharing its longest prefix: all of an equal entry
+        (whose logits predict the first new token), else at most all but the prompt's last
+        token (its logits must be computed); nothing when that is under MIN_REUSE_TOKENS."""
+        best, best_key = _Plan(prompt, None, 0), None
+        for key, entry in self.entries.items():
+            common = _common_prefix(key, prompt)
+            reused = common if common == len(key) == len(prompt) else min(common, len(prompt) - 1)
+            if reused > best.reused:
+                best, best_key = _Plan(prompt, entry, reused), key
+        if best.suffix and best.reused < MIN_REUSE_TOKENS:
+            return _Plan(prompt, None, 0)
+        if best_key is not None:
+            self.entries.move_to_end(best_key)
+        return best
+
+    def put(self, key: tuple[int, ...], pre: _Prefilled) -> _Prefilled:
+        """Keep a copy of `pre` (the KV of `key`), unless it alone exceeds the bound; the
+        kept copy, or `pre`."""
+        if key in self.entries:  # the same tokens at the same version: the same KV
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        entry = _Prefilled([(k.clone(), v.clone()) for k, v in pre.kv], pre.logits.clone())
+        if entry.nbytes > self.max_bytes:
+            return pre
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes:
+            _, gone = self.entries.popitem(last=False)
+            self.nbytes -= gone.nbytes
+        return entry
+
+
 class _BatchState:
     """The batch's left-padded KV cache, attention mask, next positions and next logits."""
 
@@ -414,6 +523,13 @@ class _BatchState:
             self.mask, self.positions, self.logits = new_mask, lengths, new_logits
         self.cache = DynamicCache(ddp_cache_data=layers)
 
+    def row(self, i: int) -> _Prefilled:
+        """Row i's KV without its left padding (views) and its next-token logits."""
+        assert self.cache is not None and self.mask is not None and self.logits is not None
+        length = int(self.mask[i].sum())
+        kv = [(k[i : i + 1, :, -length:], v[i : i + 1, :, -length:]) for k, v, *_ in self.cache]
+        return _Prefilled(kv, self.logits[i])
+
     def select(self, keep: list[int]) -> None:
         """Keep these rows; trim the left padding no row needs any more."""
         if not keep:
@@ -439,6 +555,39 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
         return t
     pad = torch.zeros((*t.shape[:2], missing, t.shape[3]), dtype=t.dtype, device=t.device)
     return torch.cat([pad, t], dim=2)
+
+
+def _prefix_cache(plans: list[_Plan], width: int) -> DynamicCache:
+    """The plans' reused prefixes as one batch cache, left-padded to `width` (zeros, masked
+    out); an empty cache when nothing is reused."""
+    if width == 0:
+        return DynamicCache()
+    like = next(plan.cached for plan in plans if plan.cached is not None)
+    layers = []
+    for layer, (k0, v0) in enumerate(like.kv):
+        ks, vs = [], []
+        for plan in plans:
+            k, v = plan.cached.kv[layer] if plan.cached is not None else (k0, v0)
+            ks.append(_left_pad(k[:, :, :plan.reused], width))
+            vs.append(_left_pad(v[:, :, :plan.reused], width))
+        layers.append((torch.cat(ks), torch.cat(vs)))
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _must(pre: _Prefilled | None) -> _Prefilled:
+    assert pre is not None  # a prompt without a suffix to compute was found whole
+    return pre
 
 
 def _cache_kwarg(model: Any) -> str:
