@@ -23,11 +23,12 @@ Levels (`level`, envs/levels.py):
 * `hard` (default): the questions above, the `http` tool, 16 model calls. Reward, from the
   answers the service holds: 1.0 if the first answer submitted for this task id equals the
   right integer, else 0.0.
-* `easy`: fetch one named resource ("Fetch the orders of user u105 from the API.": an
-  order, a user, or a user's orders, with the endpoints listed in the system message), one
-  `get(path)` call, after a prior exchange (fetching another order, and the get call that
-  does it). Task score, from the service's own record of what it served: 1.0 if it answered
-  200 to a GET of the resource's path; reward 0.2 for a well-formed get + 0.8 * that. The
+* `easy`: fetch one named resource ("Fetch the orders of user u105: GET /v1/users/<user
+  id>/orders. Call get.": an order, a user, or a user's orders, the task naming its
+  endpoint with a placeholder the model fills in), one `get(path)` call, after a prior
+  exchange (fetching another order, and the get call that does it). Task score, from the
+  service's own record of what it served: 1.0 if it answered 200 to a GET of the
+  resource's path; reward 0.2 for a well-formed get + 0.8 * that. The
   credential and the rate limit are the same as at the hard level.
 
 Run: `make_env(api_key=None, seed=0, rate_per_s=5.0, burst=5, max_retries_429=3,

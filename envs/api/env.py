@@ -36,12 +36,12 @@ from jetctl.env import Task
 
 TASK_KINDS = ("shipped_total", "units")
 HARD_SYSTEM = "You answer questions by calling a JSON REST API with the http tool."
-EASY_SYSTEM = (
-    "You fetch resources from a JSON REST API. Endpoints: GET /v1/orders/<order id>, "
-    "GET /v1/users/<user id>, GET /v1/users/<user id>/orders."
-)
-EASY_PROMPT = "Fetch {what} from the API. Call get."
+EASY_SYSTEM = "You fetch resources from a JSON REST API."
+# the task names its endpoint; the model fills in the id (the prior exchange shows how)
+EASY_PROMPT = "Fetch {what}: GET {endpoint}. Call get."
 EASY_KINDS = ("order", "user", "user_orders")
+EASY_ENDPOINTS = {"order": "/v1/orders/<order id>", "user": "/v1/users/<user id>",
+                  "user_orders": "/v1/users/<user id>/orders"}  # fmt: skip
 TOOLS_BY_LEVEL: dict[Level, tuple[str, ...]] = {"easy": ("get",), "hard": ("http",)}
 MAX_STEPS_BY_LEVEL: dict[Level, int] = {"easy": 1, "hard": 16}
 EXAMPLE_ORDER = 0  # index into the dataset's orders; never asked as an easy task
@@ -275,15 +275,16 @@ class ApiEnv:
         }[kind]  # fmt: skip
         return Task(
             id=_task_id(self.seed, "easy", kind, order.id),
-            prompt=EASY_PROMPT.format(what=what),
+            prompt=EASY_PROMPT.format(what=what, endpoint=EASY_ENDPOINTS[kind]),
             data={"kind": kind, "path": path, "seed": self.seed, "level": "easy"},
         )
 
     def example(self) -> tuple[dict[str, Any], ...]:
         """The easy level's prior exchange: fetch an order, and the call that does it."""
         order = self.data.orders[EXAMPLE_ORDER]
+        task = EASY_PROMPT.format(what=f"order {order.id}", endpoint=EASY_ENDPOINTS["order"])
         return (
-            {"role": "user", "content": EASY_PROMPT.format(what=f"order {order.id}")},
+            {"role": "user", "content": task},
             example_call("get", path=f"/v1/orders/{order.id}"),
         )
 
