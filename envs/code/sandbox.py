@@ -353,8 +353,10 @@ class DockerSandbox:
         self.client = _docker_client()
         # runs whose caller was killed before it could remove them (exited by their own
         # limit); only old ones: a concurrent rollout may be reading a fresh one's output
+        # (ignore_removed: list() inspects each container, and a concurrent rollout may remove
+        # one between the listing and its inspection; that was a failed rollout, 404)
         for old in self.client.containers.list(
-            all=True, filters={"label": SANDBOX_LABEL, "status": "exited"}
+            all=True, filters={"label": SANDBOX_LABEL, "status": "exited"}, ignore_removed=True
         ):
             if _age_s(old) > LEFTOVER_AGE_S:
                 _remove(old)
