@@ -3,8 +3,10 @@
 For each kind it starts a real `jetctl server --no-train` (the model's recipe with
 `finetune: full` or `finetune: lora`) and pulls its weights with the client's own code
 (`SwarmTransport.pull_weights`: chunks written into one buffer, size and sha256 checked),
-first cold (the server serializes and hashes the version: once per version) and then
-`repeats` times warm (the version's frames are cached). Reports bytes, seconds, MB/s and the CPU seconds of
+first cold (the server serializes and hashes the version: once per version), then
+`repeats` times warm into a new payload buffer (the version's frames are cached; the
+client's pages are faulted in as the chunks land) and `repeats` times warm as a node pulls
+every version (into the previous pull's buffer, `PayloadBuffers`). Reports bytes, seconds, MB/s and the CPU seconds of
 the server and of the pulling client, side by side.
 
 With `floor`, each kind is first pulled from a bare `grpc.aio` server that streams the same
@@ -46,26 +48,33 @@ tasks:
 @dataclass(frozen=True)
 class PullResult:
     kind: str  # full | lora
-    phase: str  # floor | cold | warm
+    phase: str  # floor | cold | warm, new buffer | warm
     bytes: int
     seconds: float  # wall time of one pull, median over the phase's pulls
     server_cpu_s: float  # per pull
     client_cpu_s: float  # per pull
     pulls: int
+    reused: int = 0  # pulls that wrote into the previous pull's buffer
 
     @property
     def mb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e6
 
 
-async def _pull_once(server: BenchServer) -> tuple[int, float, float, float]:
-    """(bytes, wall s, server CPU s, client CPU s) of one verified PullWeights."""
-    from jetctl.client.transport import SwarmTransport
+async def _pull_once(
+    server: BenchServer, new_buffer: bool
+) -> tuple[int, float, float, float, int]:
+    """(bytes, wall s, server CPU s, client CPU s, buffer reused 0|1) of one verified
+    PullWeights; into a new payload buffer with `new_buffer`, else as a node pulls."""
+    from jetctl.client.transport import PAYLOAD_BUFFERS, SwarmTransport
 
     transport = SwarmTransport("policy", server.token, endpoint=server.endpoint,
                                call_timeout_s=600.0)
     try:
         await transport.register("bench-pull", "bench", "r0")
+        if new_buffer:
+            PAYLOAD_BUFFERS.clear()
+        reused0 = PAYLOAD_BUFFERS.reused
         server_cpu0, client_cpu0 = server.cpu_seconds(), time.process_time()
         t0 = time.perf_counter()
         weights = await transport.pull_weights(have_version=-1)
@@ -74,7 +83,8 @@ async def _pull_once(server: BenchServer) -> tuple[int, float, float, float]:
     finally:
         await transport.close()
     assert weights is not None, "a server at version 0 sends its weights to have_version -1"
-    return len(weights.data), wall, server_cpu - server_cpu0, client_cpu - client_cpu0
+    return (len(weights.data), wall, server_cpu - server_cpu0, client_cpu - client_cpu0,
+            PAYLOAD_BUFFERS.reused - reused0)
 
 
 def _median(xs: list[float]) -> float:
@@ -84,15 +94,21 @@ def _median(xs: list[float]) -> float:
 
 def measure(model: str, kind: str, repeats: int, floor: bool = False) -> list[PullResult]:
     with BenchServer(RECIPE.format(model=model, kind=kind), train=False) as server:
-        cold = asyncio.run(_pull_once(server))
-        warm = [asyncio.run(_pull_once(server)) for _ in range(repeats)]
+        cold = asyncio.run(_pull_once(server, new_buffer=True))
+        phases = {
+            "warm, new buffer": [asyncio.run(_pull_once(server, new_buffer=True))
+                                 for _ in range(repeats)],
+            "warm": [asyncio.run(_pull_once(server, new_buffer=False)) for _ in range(repeats)],
+        }
     floor_rows = [_floor(kind, cold[0], max(repeats, 1))] if floor else []
-    out = [PullResult(kind, "cold", cold[0], cold[1], cold[2], cold[3], 1)]
-    if warm:
-        out.append(PullResult(
-            kind, "warm", warm[0][0], _median([w[1] for w in warm]),
-            _median([w[2] for w in warm]), _median([w[3] for w in warm]), len(warm),
-        ))
+    out = [PullResult(kind, "cold", cold[0], cold[1], cold[2], cold[3], 1, cold[4])]
+    for phase, pulls in phases.items():
+        if pulls:
+            out.append(PullResult(
+                kind, phase, pulls[0][0], _median([p[1] for p in pulls]),
+                _median([p[2] for p in pulls]), _median([p[3] for p in pulls]), len(pulls),
+                sum(p[4] for p in pulls),
+            ))
     return floor_rows + out
 
 

@@ -114,17 +114,20 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         table = Table(title=f"jetctl bench pull: {model}, loopback, plaintext")
         for col in ("kind", "pull", "MB", "seconds", "MB/s", "server CPU s", "client CPU s",
-                    "vs floor"):
+                    "buffer reused", "vs floor"):
             table.add_column(col, justify="right")
         floors = {r.kind: r.mb_per_s for r in results if r.phase == "floor"}
         for r in results:
             vs = f"{r.mb_per_s / floors[r.kind]:.2f}x" if r.kind in floors else ""
             table.add_row(r.kind, f"{r.phase}" + (f" (median of {r.pulls})" if r.pulls > 1 else ""),
                           f"{r.bytes / 1e6:,.1f}", f"{r.seconds:.3f}", f"{r.mb_per_s:,.0f}",
-                          f"{r.server_cpu_s:.2f}", f"{r.client_cpu_s:.2f}", vs)
+                          f"{r.server_cpu_s:.2f}", f"{r.client_cpu_s:.2f}",
+                          "" if r.phase == "floor" else f"{r.reused}/{r.pulls}", vs)
         console.print(table)
         console.print("cold: the first pull of a version (the server serializes and hashes it "
-                      "once); warm: later pulls of the same version. The client is "
+                      "once); warm: later pulls of the same version, into a new payload buffer "
+                      "(its pages faulted in as chunks land) or as a node pulls every version, "
+                      "into the previous pull's buffer once nothing views it. The client is "
                       "SwarmTransport.pull_weights: chunks written into one buffer, size and "
                       "sha256 checked."
                       + (" floor: the same bytes in the same frames, bare gRPC server to bare "

@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,9 +93,9 @@ class Weights:
 
 
 def _payload_buffer(total_bytes: int) -> np.ndarray:
-    """A buffer for a payload of `total_bytes`, not written to: its pages are mapped as the
-    worker copies chunks into them (`bytearray(n)` zeroes every page first, which cost the
-    receiving loop 0.6 s of a 1.5 s pull of 538 MB)."""
+    """A new buffer for a payload of `total_bytes`, not written to: its pages are mapped as
+    the worker copies chunks into them (`bytearray(n)` zeroes every page first, which cost
+    the receiving loop 0.6 s of a 1.5 s pull of 538 MB)."""
     if total_bytes < 0:
         raise WeightsError(f"PullWeights announced total_bytes={total_bytes}")
     try:
@@ -102,6 +104,54 @@ def _payload_buffer(total_bytes: int) -> np.ndarray:
         raise WeightsError(
             f"PullWeights announced total_bytes={total_bytes}, more than this node can hold"
         ) from None
+
+
+class PayloadBuffers:
+    """A payload buffer kept for the next pull of the same size.
+
+    Writing into fresh memory faults every page in: on the 2-core build VM a new 512 MB
+    buffer took copies at 0.3-0.9 GB/s against ~18 GB/s into pages already mapped, most of a
+    pull's client CPU. A node pulls every version at the same size, and the local engine
+    copies the tensors into its model (`LocalEngine.apply`) and drops the payload, so the
+    next pull can write into the previous one's buffer, its pages already mapped.
+
+    A buffer is reused only when nothing views it any more: its `Weights`, a memoryview of
+    it and every tensor made from it hold a reference to the array, so a reference count of
+    the pool's own is proof (tests/client/test_client_transport.py). At most `keep` buffers of
+    at most `max_bytes` each are held, the newest; a bigger payload (a model of billions of
+    parameters) gets a buffer of its own that is freed with its last view, so a node never
+    holds an idle copy of such a model.
+    """
+
+    def __init__(self, keep: int = 1, max_bytes: int = 2 << 30) -> None:
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self._held: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.reused = 0  # pulls that wrote into a held buffer
+
+    def take(self, total_bytes: int) -> np.ndarray:
+        """A buffer of `total_bytes` that nothing else references: a held one, or a new one."""
+        with self._lock:
+            for i in range(len(self._held)):
+                # two references: the list's and getrefcount's own argument
+                if self._held[i].nbytes == total_bytes and sys.getrefcount(self._held[i]) <= 2:
+                    buffer = self._held.pop(i)
+                    self._held.append(buffer)
+                    self.reused += 1
+                    return buffer
+            buffer = _payload_buffer(total_bytes)
+            if total_bytes <= self.max_bytes and self.keep > 0:
+                self._held.append(buffer)
+                del self._held[: -self.keep]
+            return buffer
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+
+
+PAYLOAD_BUFFERS = PayloadBuffers()  # one per process: every transport's pulls share them
 
 
 def _copy_and_hash(
@@ -321,7 +371,8 @@ class SwarmTransport:
                     raise WeightsError(f"PullWeights sent a malformed chunk: {e}") from None
                 if first is None:
                     first = chunk
-                    buffer = target = _payload_buffer(first.total_bytes)
+                    buffer = PAYLOAD_BUFFERS.take(first.total_bytes)
+                assert buffer is not None
                 if chunk.version != first.version or chunk.sha256 != first.sha256:
                     raise WeightsError("PullWeights chunks of different versions in one stream")
                 if chunk.offset != received:
@@ -333,7 +384,7 @@ class SwarmTransport:
                     raise WeightsError(
                         f"PullWeights sent more than total_bytes={first.total_bytes}"
                     )
-                taken.append(worker.submit(_copy_and_hash, target, received, data, digest))
+                taken.append(worker.submit(_copy_and_hash, buffer, received, data, digest))
                 received += len(data)
             if taken:
                 await asyncio.wrap_future(taken[-1])  # the last chunk: every one before is done

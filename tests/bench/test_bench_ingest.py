@@ -68,3 +68,9 @@ def test_bench_pull_verifies_full_weights_and_an_adapter() -> None:
     # every row of a kind moved the same bytes as its floor
     sizes = re.findall(r"(full|lora)\s+│\s+(?:floor|cold|warm)\s+│\s+([\d.,]+)", result.output)
     assert len({s for s in sizes if s[0] == "full"}) == 1, result.output
+    # a node's later pulls write into the previous pull's buffer; the new-buffer rows do not
+    for kind in ("full", "lora"):
+        assert re.search(rf"{kind}\s+│\s+warm\s+│(?:[^│]*│){{5}}\s+1/1\s+│", result.output), (
+            result.output)
+        assert re.search(rf"{kind}\s+│\s+warm, new buffer\s+│(?:[^│]*│){{5}}\s+0/1\s+│",
+                         result.output), result.output

@@ -102,3 +102,45 @@ async def test_pulled_weights_are_whole_and_a_flipped_byte_is_refused(
         await transport.pull_weights(have_version=0)
     await transport.close()
     await server.stop(None)
+
+
+async def test_a_pull_reuses_a_dropped_payload_buffer_and_never_one_still_viewed(
+    tokenizer: Any, tokenizer_files: Any, tmp_path: Path
+) -> None:
+    """A node pulls every version at the same size: the next pull writes into the previous
+    payload's buffer once nothing views it (its pages already mapped), and never into one a
+    caller still holds, by its Weights or by a tensor made from it."""
+    import torch
+
+    from jetctl.client.transport import PAYLOAD_BUFFERS
+
+    PAYLOAD_BUFFERS.clear()
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    payloads = [os.urandom(200_000) for _ in range(4)]
+
+    async def pull(version: int) -> Any:
+        fake.weights = weight_chunks(version, "full", payloads[version], chunk=7_000)
+        weights = await transport.pull_weights(have_version=version - 1)
+        assert weights is not None and weights.data == payloads[version]
+        return weights
+
+    first = await pull(0)
+    first_buffer = id(first.data.obj)  # ids, not references: a reference is a view
+    reused = PAYLOAD_BUFFERS.reused
+    view = torch.frombuffer(first.data, dtype=torch.uint8)  # a tensor the local engine could hold
+    del first
+    second = await pull(1)  # the first buffer is still viewed by `view`
+    assert id(second.data.obj) != first_buffer and PAYLOAD_BUFFERS.reused == reused
+    assert bytes(view.numpy()) == payloads[0], "a viewed payload was overwritten"
+    second_buffer = id(second.data.obj)  # alive: the pool holds it
+    del second
+    third = await pull(2)  # nothing views the second one now: its buffer is taken again
+    assert id(third.data.obj) == second_buffer and PAYLOAD_BUFFERS.reused == reused + 1
+    assert bytes(view.numpy()) == payloads[0]
+    del third, view
+    fourth = await pull(3)
+    assert id(fourth.data.obj) == second_buffer and fourth.data == payloads[3]
+    await transport.close()
+    await server.stop(None)
