@@ -15,7 +15,7 @@ from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from jetctl.server.weights import WeightsPayload
+    from jetctl.server.weights import WeightsPayload, WeightsView
 
 
 def call_to_pb(c: LLMCall) -> pb.LLMCall:
@@ -214,28 +214,40 @@ def read_weights_chunk(raw: bytes) -> ChunkView:
     )
 
 
-def weight_frames(payload: WeightsPayload, chunk_bytes: int) -> list[bytes]:
+def weight_frames(payload: WeightsPayload | WeightsView, chunk_bytes: int) -> list[bytes]:
     """A weights payload as serialized PullWeights messages of `chunk_bytes` data each.
 
     Encoded by hand, byte for byte what `pb.WeightsChunk(...).SerializeToString()` makes
     (fields in number order, proto3 defaults left out; tests/proto/test_convert.py compares
-    the two): each frame is one join of its few header bytes and a slice of the payload,
-    where the protobuf path copies the data three times (a slice, the message, the
-    serialization)."""
-    data = memoryview(payload.data)
-    total = len(data)
+    the two): each frame is one join of its few header bytes and the pieces of the payload's
+    segments it covers, where the protobuf path copies the data three times (a slice, the
+    message, the serialization). From a `WeightsView` that is the only copy of the live
+    tensors: no joined payload is made."""
+    parts = [part for part in payload.segments if len(part)]
+    total = sum(len(part) for part in parts)
     sha = _string(WC_SHA256, payload.sha256)
     frames = []
+    index, at = 0, 0  # the segment and the position in it where the next frame starts
     for offset in range(0, max(total, 1), chunk_bytes):
-        piece = data[offset : offset + chunk_bytes]
+        pieces: list[memoryview] = []
+        need = min(chunk_bytes, total - offset)
+        while need:
+            part = parts[index]
+            piece = part[at : at + need]
+            pieces.append(piece)
+            need -= len(piece)
+            at += len(piece)
+            if at == len(part):
+                index, at = index + 1, 0
+        size = sum(len(piece) for piece in pieces)
         head = b"".join((
             _int(WC_VERSION, payload.version), _string(WC_FORMAT, "safetensors"),
             _string(WC_KIND, payload.kind), _int(WC_TOTAL_BYTES, total),
             _int(WC_OFFSET, offset),
-            _key(WC_DATA, 2) + _encode_varint(len(piece)) if len(piece) else b"",
+            _key(WC_DATA, 2) + _encode_varint(size) if size else b"",
         ))
         config = payload.adapter_config_json if offset == 0 else ""
-        frames.append(b"".join((head, piece, sha, _string(WC_ADAPTER_CONFIG, config))))
+        frames.append(b"".join((head, *pieces, sha, _string(WC_ADAPTER_CONFIG, config))))
     return frames
 
 

@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
@@ -22,13 +21,12 @@ from google.protobuf.message import DecodeError
 
 from jetctl.auth import METADATA_KEY
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.proto.convert import group_payloads, packed_groups, weight_frames
+from jetctl.proto.convert import group_payloads, packed_groups
 from jetctl.server.admission import Limits, check_generate, check_groups
 from jetctl.server.engines.base import Engine, GenRequest
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.store import Put, TrajectoryStore
 from jetctl.server.trainer import Trainer
-from jetctl.server.weights import WeightsPayload
 
 SERVICE = "jetctl.swarm.v1.Swarm"
 log = logging.getLogger("jetctl.server")
@@ -81,8 +79,6 @@ class SwarmService:
         self.tokens_generated = 0
         self._accepted_times: list[tuple[float, int]] = []
         self._task_labels: set[str] = set()
-        self._frames: tuple[WeightsPayload, list[bytes]] | None = None
-        self._frames_lock = threading.Lock()
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -266,14 +262,10 @@ class SwarmService:
         self.metrics.publish_seconds.observe(time.monotonic() - t0)
 
     def _weight_frames(self) -> list[bytes]:
-        """The current version's serialized WeightsChunk messages, made once per version:
-        every later pull of that version streams the same bytes without another copy."""
-        payload = self.trainer.weights_payload()
-        with self._frames_lock:
-            if self._frames is None or self._frames[0] is not payload:
-                chunk = max(1, min(CHUNK_BYTES, self.max_message_bytes - CHUNK_FRAMING))
-                self._frames = (payload, weight_frames(payload, chunk))
-            return self._frames[1]
+        """The current version's serialized WeightsChunk messages (the trainer makes them
+        once per version)."""
+        chunk = max(1, min(CHUNK_BYTES, self.max_message_bytes - CHUNK_FRAMING))
+        return self.trainer.weight_frames(chunk)
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         await self._parse(raw, pb.StatusRequest, context)

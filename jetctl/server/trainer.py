@@ -43,6 +43,7 @@ import torch
 
 from jetctl.faults import Faults
 from jetctl.models import AttnImplementation, Progress
+from jetctl.proto.convert import weight_frames
 from jetctl.recipe import ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import memory, merge
@@ -227,8 +228,8 @@ class Trainer:
         self.params = params
         self.version = 0
         self.figures = TrainerFigures()
-        self._payload: W.WeightsPayload | None = None
-        self._payload_lock = threading.Lock()
+        self._frames: tuple[int, int, list[bytes]] | None = None  # (version, chunk, frames)
+        self._frames_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -531,24 +532,28 @@ class Trainer:
 
     # --- publishing and checkpoints -----------------------------------------------------
 
-    def weights_payload(self, lock_timeout_s: float = 120.0) -> W.WeightsPayload:
-        """The current version's trainable weights, serialized once per version.
+    def weight_frames(self, chunk_bytes: int, lock_timeout_s: float = 120.0) -> list[bytes]:
+        """The current version's trainable weights as PullWeights messages, made once per
+        version (every later pull of it streams the same bytes): hashed in place and cut
+        into frames straight from the live tensors under the weights lock, one copy.
 
         Raises TimeoutError when the weights lock stays held longer than `lock_timeout_s`
         (a hung step or generation): PullWeights fails loudly instead of stalling.
         """
-        with self._payload_lock:
-            if self._payload is None or self._payload.version != self.version:
+        with self._frames_lock:
+            if self._frames is None or self._frames[:2] != (self.version, chunk_bytes):
                 if not self.lock.acquire(timeout=lock_timeout_s):
                     raise TimeoutError(
                         f"the weights lock was held for more than {lock_timeout_s:g}s "
                         "(a training step or generation batch hangs)"
                     )
                 try:
-                    self._payload = W.snapshot(self.model, self.version)
+                    version = self.version
+                    frames = weight_frames(W.view(self.model, version), chunk_bytes)
                 finally:
                     self.lock.release()
-            return self._payload
+                self._frames = (version, chunk_bytes, frames)
+            return self._frames[2]
 
     def checkpoint(self) -> str:
         with self.lock:

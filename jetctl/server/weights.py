@@ -23,6 +23,24 @@ class WeightsPayload:
     sha256: str
     adapter_config_json: str = ""
 
+    @property
+    def segments(self) -> list[memoryview]:
+        return [memoryview(self.data)]
+
+
+@dataclass(frozen=True)
+class WeightsView:
+    """A version's safetensors payload as segments read in place (the length and JSON
+    header, then each tensor's bytes), not joined: what `weight_frames` cuts into PullWeights
+    messages in one copy. The tensor segments are the live weights: valid only while the
+    weights lock is held."""
+
+    version: int
+    kind: str  # full | lora
+    segments: list[memoryview]
+    sha256: str  # of the joined payload
+    adapter_config_json: str = ""
+
 
 def is_lora(model: Any) -> bool:
     return hasattr(model, "peft_config")
@@ -68,9 +86,15 @@ def serialize(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes
     """`safetensors.torch.save(state, metadata)`, byte for byte (tests/server/test_weights.py
     compares them), in one copy of the tensors: the header, then every tensor's bytes read
     in place and joined once (safetensors copies each tensor to `bytes`, then all of them
-    into its output). Same layout: tensors by dtype (the order above) then name, the JSON
-    header padded with spaces to 8 bytes. One metadata key at most: safetensors writes
-    several in no fixed order."""
+    into its output)."""
+    return b"".join(segments(state, metadata))
+
+
+def segments(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
+    """The bytes of `serialize(state, metadata)` as segments, none copied: the header
+    length and JSON header, then every tensor's bytes in place. Same layout as safetensors:
+    tensors by dtype (the order above) then name, the JSON header padded with spaces to 8
+    bytes. One metadata key at most: safetensors writes several in no fixed order."""
     if len(metadata) > 1:
         raise ValueError(f"one metadata key at most, got {sorted(metadata)}")
     rank = list(SAFETENSORS_ORDER)
@@ -91,22 +115,29 @@ def serialize(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes
             views.append(t.reshape(-1).view(torch.uint8).numpy().data)
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    return b"".join([len(text).to_bytes(8, "little"), text, *views])
+    return [memoryview(len(text).to_bytes(8, "little") + text), *views]
 
 
-def snapshot(model: Any, version: int) -> WeightsPayload:
-    data = serialize(trainable_state(model), metadata={"version": str(version)})
+def view(model: Any, version: int) -> WeightsView:
+    """The trainable weights as a `WeightsView` of the live tensors, hashed in place: hold
+    the weights lock until its segments are copied out."""
+    parts = segments(trainable_state(model), metadata={"version": str(version)})
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
     config = ""
     if is_lora(model):
         cfg = model.peft_config["default"].to_dict()
         config = json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o))
-    return WeightsPayload(
-        version=version,
-        kind="lora" if is_lora(model) else "full",
-        data=data,
-        sha256=hashlib.sha256(data).hexdigest(),
-        adapter_config_json=config,
-    )
+    return WeightsView(version, "lora" if is_lora(model) else "full", parts,
+                       digest.hexdigest(), config)
+
+
+def snapshot(model: Any, version: int) -> WeightsPayload:
+    """The trainable weights as one safetensors payload (a copy: checkpoints, replicas)."""
+    v = view(model, version)
+    return WeightsPayload(v.version, v.kind, b"".join(v.segments), v.sha256,
+                          v.adapter_config_json)
 
 
 def decode(data: bytes, sha256: str) -> dict[str, torch.Tensor]:

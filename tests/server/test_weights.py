@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from jetctl.server.weights import SAFETENSORS_ORDER, serialize, snapshot
+from jetctl.proto.convert import read_weights_chunk, weight_frames
+from jetctl.server.weights import SAFETENSORS_ORDER, serialize, snapshot, view
 
 pytestmark = pytest.mark.unit
 
@@ -52,6 +53,28 @@ def test_a_snapshot_loads_back_to_the_model_state() -> None:
     with torch.no_grad():  # the payload is a copy: training on does not reach it
         next(model.parameters()).add_(1.0)
     assert all(torch.equal(load(payload.data)[k], v) for k, v in loaded.items())
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1000, 1 << 20])
+def test_frames_cut_from_the_live_tensors_are_the_snapshots_frames(chunk_bytes: int) -> None:
+    """PullWeights' frames come straight from the live tensors (`view`: hashed in place, one
+    copy): the same bytes and sha256 as cutting the joined snapshot, whether a frame ends
+    inside a tensor, spans several, or holds the whole payload."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    live, joined = view(model, version=5), snapshot(model, version=5)
+    assert live.sha256 == joined.sha256 == hashlib.sha256(joined.data).hexdigest()
+    frames = weight_frames(live, chunk_bytes)
+    assert frames == weight_frames(joined, chunk_bytes)
+    assert b"".join(bytes(read_weights_chunk(f).data) for f in frames) == joined.data
+    with torch.no_grad():  # the frames are a copy: training on does not reach them
+        next(model.parameters()).add_(1.0)
+    assert frames == weight_frames(joined, chunk_bytes)
 
 
 def test_what_safetensors_cannot_hold_is_refused() -> None:
