@@ -3,11 +3,11 @@
 For each kind it starts a real `jetctl server --no-train` (the model's recipe with
 `finetune: full` or `finetune: lora`) and pulls its weights with the client's own code
 (`SwarmTransport.pull_weights`: chunks written into one buffer, size and sha256 checked),
-first cold (the server serializes and hashes the version: once per version), then
+first cold (the server hashes the version and cuts its frames: once per version), then
 `repeats` times warm into a new payload buffer (the version's frames are cached; the
 client's pages are faulted in as the chunks land) and `repeats` times warm as a node pulls
-every version (into the previous pull's buffer, `PayloadBuffers`). Reports bytes, seconds, MB/s and the CPU seconds of
-the server and of the pulling client, side by side.
+every version (into the previous pull's buffer, `PayloadBuffers`). Reports bytes, seconds,
+MB/s and the CPU seconds of the server and of the pulling client, side by side.
 
 With `floor`, each kind is first pulled from a bare `grpc.aio` server that streams the same
 number of bytes in the same 4 MiB frames by a bare `grpc.aio` client that only counts them
