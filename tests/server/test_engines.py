@@ -211,6 +211,32 @@ async def test_hf_stop_fails_the_batch_waiting_for_the_weights() -> None:
     assert all(isinstance(o, RuntimeError) and "stopped" in str(o) for o in outcomes)
 
 
+async def test_hf_stop_fails_requests_admitted_while_it_ran() -> None:
+    """Requests the worker has taken off the queue are in no list `stop` reads until their
+    prefill ends: stop must fail them too (they hung forever before: seen once in CI)."""
+    s = serve("hf")
+    engine = s.engine
+    in_prefill, release = threading.Event(), threading.Event()
+    prefill = engine._prefill  # type: ignore[attr-defined]
+
+    def slow_prefill(plans: Any) -> Any:
+        in_prefill.set()
+        release.wait(10)
+        return prefill(plans)
+
+    engine._prefill = slow_prefill  # type: ignore[attr-defined]
+    engine.start()
+    reqs = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(6)]
+    calls = [asyncio.create_task(engine.generate(r)) for r in reqs]
+    assert await asyncio.to_thread(in_prefill.wait, 10), "the worker never admitted them"
+    stopping = asyncio.create_task(engine.stop())
+    await asyncio.sleep(0.2)  # stop has run its part; the admitted requests are mid-prefill
+    release.set()
+    await stopping
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
+    assert all(isinstance(o, RuntimeError) and "stopped" in str(o) for o in outcomes), outcomes
+
+
 def test_the_recipe_picks_the_engine() -> None:
     from jetctl.server.engines.hf import HFEngine
 

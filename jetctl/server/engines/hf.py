@@ -241,7 +241,7 @@ class HFEngine:
                 while not self._incoming and not self._stopping:
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
-                    return
+                    break
             if self.batch_wait_s > 0:  # let the rest of a group's requests arrive
                 time.sleep(self.batch_wait_s)
             self._lock.acquire()
@@ -249,6 +249,18 @@ class HFEngine:
                 self._serve_one_version()
             finally:
                 self._lock.release()
+        self._fail_leftovers()
+
+    def _fail_leftovers(self) -> None:
+        """After `stop`: fail what the worker still holds. A request taken off the queue is
+        in no list `stop` reads until its prefill ends and it joins the batch; one admitted
+        while `stop` ran would otherwise wait forever."""
+        with self._cond:
+            queued, self._incoming = self._incoming, []
+        rows, self._rows = self._rows, []
+        error = RuntimeError("engine stopped")
+        for p in queued + [r.pending for r in rows]:
+            p.finish(error)  # a no-op for one `stop` already failed
 
     def _serve_one_version(self) -> None:
         """Serve until the batch empties; admit newcomers unless someone waits for the lock."""
