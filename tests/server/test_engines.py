@@ -182,9 +182,11 @@ async def test_cancelled_requests_leave_the_engine_serving(served: Served) -> No
 
 
 async def test_stop_fails_what_is_under_way_instead_of_hanging(served: Served) -> None:
-    reqs = [GenRequest(p, max_tokens=48, temperature=1.0, top_p=1.0) for p in prompts(40)]
+    reqs = [GenRequest(p, max_tokens=48, temperature=1.0, top_p=1.0) for p in prompts(64)]
     calls = [asyncio.create_task(served.engine.generate(r)) for r in reqs]
-    await asyncio.sleep(0.3)  # some run, most wait
+    # stop at the first reply: some ran, most (at least 64 - 16 rows) still run or wait (a
+    # fixed sleep let a fast machine finish all of them first)
+    await asyncio.wait_for(asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED), 60)
     await served.engine.stop()
     outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
     failed = [o for o in outcomes if isinstance(o, BaseException)]
@@ -259,3 +261,68 @@ def test_engine_vllm_needs_cuda_and_says_so() -> None:
             cfg, torch.nn.Linear(2, 2), eos_token_ids=[2], pad_token_id=2,
             weights_lock=threading.Lock(), version=lambda: 0,
         )
+
+
+async def test_hf_a_failed_step_fails_its_batch_and_the_next_batch_is_exact() -> None:
+    """A forward that raises fails its replies; the next batch must not be merged beside the
+    failed batch's KV (it failed too, or mixed rows, before)."""
+    s = serve("hf")
+    engine = s.engine
+    decode, calls = engine._decode_step, [0]  # type: ignore[attr-defined]
+
+    def flaky_decode(state: Any, version: int) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected: a decode step failed")
+        decode(state, version)
+
+    engine._decode_step = flaky_decode  # type: ignore[attr-defined]
+    engine.start()
+    try:
+        first = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(5)]
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(engine.generate(r) for r in first), return_exceptions=True), 60)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        assert failed and all("injected" in str(o) for o in failed), outcomes
+        for req, res in zip(first, outcomes):  # a reply that ended before the fault is whole
+            if isinstance(res, GenResult):
+                check_reply(s, req, res)
+        later = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(9)[2:]]
+        results = await asyncio.wait_for(asyncio.gather(*(engine.generate(r) for r in later)), 60)
+        for req, res in zip(later, results):
+            check_reply(s, req, res)
+    finally:
+        await engine.stop()
+
+
+async def test_hf_a_fault_outside_a_forward_fails_the_batch_and_the_worker_serves_on() -> None:
+    """An exception in the worker between forwards used to end its thread: every later
+    request then waited forever (and a server neither trained nor drained)."""
+    s = serve("hf")
+    engine = s.engine
+    drop, calls = engine._drop_cancelled, [0]  # type: ignore[attr-defined]
+
+    def flaky_drop(state: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected: a fault between forwards")
+        drop(state)
+
+    engine._drop_cancelled = flaky_drop  # type: ignore[attr-defined]
+    engine.start()
+    try:
+        first = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(4)]
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(engine.generate(r) for r in first), return_exceptions=True), 60)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        assert failed and all("injected" in str(o) for o in failed), outcomes
+        for req, res in zip(first, outcomes):  # a reply that ended before the fault is whole
+            if isinstance(res, GenResult):
+                check_reply(s, req, res)
+        assert engine._thread is not None and engine._thread.is_alive()  # type: ignore[attr-defined]
+        later = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(6)]
+        results = await asyncio.wait_for(asyncio.gather(*(engine.generate(r) for r in later)), 60)
+        for req, res in zip(later, results):
+            check_reply(s, req, res)
+    finally:
+        await engine.stop()

@@ -35,6 +35,12 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   forward/backward run at the same time in one process, and two torch thread pools that
   each take every core slow both down several times on a small machine.
 
+* **Faults fail requests, not the engine.** A forward that raises fails the replies it
+  touched, and the next batch starts from an empty batch state (the failed batch's KV
+  must not sit beside the next one's). Anything else that raises in the worker fails what
+  it holds and queues, and the worker serves on: a dead worker would leave every later
+  caller waiting, and a server in that state neither trains nor drains.
+
 `batch_wait_ms` is how long an idle engine waits for company before it starts a batch (the
 rest of a group's requests); later arrivals join at the next step anyway.
 
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -65,6 +72,8 @@ import torch
 from transformers import DynamicCache
 
 from jetctl.server.engines.base import GenRequest, GenResult
+
+log = logging.getLogger("jetctl.server.engine")
 
 # KV kept of earlier prompts and replies at the serving version. SmolLM2-135M in float32
 # holds 45 KiB per token (30 layers x K and V x 3 heads x 64 x 4 B), so 256 MiB is ~5,800
@@ -247,6 +256,14 @@ class HFEngine:
             self._lock.acquire()
             try:
                 self._serve_one_version()
+            except Exception as exc:  # a dead worker would leave every caller waiting
+                log.exception("the engine's worker failed outside a forward; what it held "
+                              "fails and it serves on")
+                with self._cond:  # a fault before admission would otherwise repeat forever
+                    queued, self._incoming = self._incoming, []
+                rows, self._rows = self._rows, []
+                for p in queued + [r.pending for r in rows]:
+                    p.finish(exc)
             finally:
                 self._lock.release()
         self._fail_leftovers()
@@ -268,6 +285,8 @@ class HFEngine:
         self._kv.serve(version)  # KV of another version is forgotten
         state = _BatchState()
         while not self._stopping:
+            if not self._rows:  # a failed forward emptied the batch: its KV must not stay
+                state = _BatchState()
             if self._may_admit():
                 room = self.max_batch_size - len(self._rows)
                 with self._cond:
