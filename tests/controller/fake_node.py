@@ -49,16 +49,22 @@ class Control:
     def join(self, **fields: object):
         import grpc
 
+        from jetctl.link import REFUSALS
         from jetctl.proto._gen import control_pb2 as cpb
 
-        # like the real nodes, wait for a controller that is not (yet, again) listening
+        # like the real nodes (`jetctl.link.ControlLink.join`), wait for a controller that is
+        # not (yet, again) listening: a controller killed mid-Join resets the connection
+        # (UNAVAILABLE), and only a refusal ends the node
         while True:
             try:
                 return self.stub.Join(cpb.JoinRequest(**fields), metadata=self.md, timeout=1,
                                       wait_for_ready=True)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or STOP.is_set():
+                if e.code() in REFUSALS:
                     raise
+                if STOP.is_set():  # SIGTERM before any controller answered: a clean exit
+                    return None
+                STOP.wait(0.1)
 
     def sync(self, status: dict, **fields: object):
         import grpc
@@ -119,7 +125,11 @@ def run_server(a: argparse.Namespace) -> None:
     server.add_insecure_port(f"127.0.0.1:{a.port}")
     server.start()
     control = Control()
-    refused = list(control.join(kind="server", model=a.model).refused_revisions)
+    joined = control.join(kind="server", model=a.model)
+    if joined is None:
+        server.stop(0)
+        return
+    refused = list(joined.refused_revisions)
     steps = run_dir / "metrics" / f"{a.model}.steps.jsonl"
     steps.parent.mkdir(parents=True, exist_ok=True)
     written = 0
@@ -143,6 +153,8 @@ def run_client(a: argparse.Namespace) -> None:
     control = Control()
     joined = control.join(kind="client", task=a.task, name=a.name or f"{a.task}-{a.index}",
                           revision=a.revision, index=a.index)
+    if joined is None:
+        return
     name, agent = joined.name, a.agent or joined.agent
     done = 0
     while not STOP.wait(0.1):
