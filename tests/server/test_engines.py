@@ -263,44 +263,67 @@ def test_engine_vllm_needs_cuda_and_says_so() -> None:
         )
 
 
-async def test_hf_a_failed_step_fails_its_batch_and_the_next_batch_is_exact() -> None:
-    """A forward that raises fails its replies; the next batch must not be merged beside the
-    failed batch's KV (it failed too, or mixed rows, before)."""
-    s = serve("hf")
+async def _fault_then_exact(
+    s: Served, first: list[GenRequest], later: list[GenRequest],
+    fault_hit: threading.Event | None = None, go: threading.Event | None = None,
+) -> None:
+    """`first` meet the injected fault: those it reached fail with it, the others are
+    whole; `later` are then served exactly by a live worker. With `fault_hit`/`go`, `later`
+    are queued while the fault is held open, so the worker meets them right after it."""
     engine = s.engine
-    decode, calls = engine._decode_step, [0]  # type: ignore[attr-defined]
-
-    def flaky_decode(state: Any, version: int) -> None:
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("injected: a decode step failed")
-        decode(state, version)
-
-    engine._decode_step = flaky_decode  # type: ignore[attr-defined]
     engine.start()
     try:
-        first = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(5)]
-        outcomes = await asyncio.wait_for(
-            asyncio.gather(*(engine.generate(r) for r in first), return_exceptions=True), 60)
+        calls = [asyncio.create_task(engine.generate(r)) for r in first]
+        queued: list[asyncio.Task[GenResult]] = []
+        if fault_hit is not None and go is not None:
+            assert await asyncio.to_thread(fault_hit.wait, 30), "the fault was never reached"
+            queued = [asyncio.create_task(engine.generate(r)) for r in later]
+            await asyncio.sleep(0.05)  # the tasks run up to their wait: they are queued
+            go.set()
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         assert failed and all("injected" in str(o) for o in failed), outcomes
         for req, res in zip(first, outcomes):  # a reply that ended before the fault is whole
             if isinstance(res, GenResult):
                 check_reply(s, req, res)
-        later = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(9)[2:]]
-        results = await asyncio.wait_for(asyncio.gather(*(engine.generate(r) for r in later)), 60)
+        assert engine._thread is not None and engine._thread.is_alive()  # type: ignore[attr-defined]
+        if not queued:
+            queued = [asyncio.create_task(engine.generate(r)) for r in later]
+        results = await asyncio.wait_for(asyncio.gather(*queued), 60)
         for req, res in zip(later, results):
             check_reply(s, req, res)
     finally:
         await engine.stop()
 
 
+def _requests(prompt_ids: list[list[int]]) -> list[GenRequest]:
+    return [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompt_ids]
+
+
+async def test_hf_a_failed_step_fails_its_batch_and_the_next_batch_is_exact() -> None:
+    """A forward that raises fails its replies; the batch the worker admits next must not
+    be merged beside the failed batch's KV (it failed too, or mixed rows, before)."""
+    s = serve("hf")
+    decode, calls = s.engine._decode_step, [0]  # type: ignore[attr-defined]
+    fault_hit, go = threading.Event(), threading.Event()
+
+    def flaky_decode(state: Any, version: int) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            fault_hit.set()
+            go.wait(30)  # the next requests are queued: the worker admits them at once
+            raise RuntimeError("injected: a decode step failed")
+        decode(state, version)
+
+    s.engine._decode_step = flaky_decode  # type: ignore[attr-defined]
+    await _fault_then_exact(s, _requests(prompts(5)), _requests(prompts(9)[2:]), fault_hit, go)
+
+
 async def test_hf_a_fault_outside_a_forward_fails_the_batch_and_the_worker_serves_on() -> None:
     """An exception in the worker between forwards used to end its thread: every later
     request then waited forever (and a server neither trained nor drained)."""
     s = serve("hf")
-    engine = s.engine
-    drop, calls = engine._drop_cancelled, [0]  # type: ignore[attr-defined]
+    drop, calls = s.engine._drop_cancelled, [0]  # type: ignore[attr-defined]
 
     def flaky_drop(state: Any) -> None:
         calls[0] += 1
@@ -308,21 +331,5 @@ async def test_hf_a_fault_outside_a_forward_fails_the_batch_and_the_worker_serve
             raise RuntimeError("injected: a fault between forwards")
         drop(state)
 
-    engine._drop_cancelled = flaky_drop  # type: ignore[attr-defined]
-    engine.start()
-    try:
-        first = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(4)]
-        outcomes = await asyncio.wait_for(
-            asyncio.gather(*(engine.generate(r) for r in first), return_exceptions=True), 60)
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        assert failed and all("injected" in str(o) for o in failed), outcomes
-        for req, res in zip(first, outcomes):  # a reply that ended before the fault is whole
-            if isinstance(res, GenResult):
-                check_reply(s, req, res)
-        assert engine._thread is not None and engine._thread.is_alive()  # type: ignore[attr-defined]
-        later = [GenRequest(p, max_tokens=8, temperature=1.0, top_p=1.0) for p in prompts(6)]
-        results = await asyncio.wait_for(asyncio.gather(*(engine.generate(r) for r in later)), 60)
-        for req, res in zip(later, results):
-            check_reply(s, req, res)
-    finally:
-        await engine.stop()
+    s.engine._drop_cancelled = flaky_drop  # type: ignore[attr-defined]
+    await _fault_then_exact(s, _requests(prompts(4)), _requests(prompts(6)))
