@@ -278,7 +278,8 @@ async def _fault_then_exact(
         if fault_hit is not None and go is not None:
             assert await asyncio.to_thread(fault_hit.wait, 30), "the fault was never reached"
             queued = [asyncio.create_task(engine.generate(r)) for r in later]
-            await asyncio.sleep(0.05)  # the tasks run up to their wait: they are queued
+            while len(engine._incoming) < len(later):  # type: ignore[attr-defined]
+                await asyncio.sleep(0)  # the tasks run up to their wait: they are queued
             go.set()
         outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
         failed = [o for o in outcomes if isinstance(o, BaseException)]

@@ -259,11 +259,7 @@ class HFEngine:
             except Exception as exc:  # a dead worker would leave every caller waiting
                 log.exception("the engine's worker failed outside a forward; what it held "
                               "fails and it serves on")
-                with self._cond:  # a fault before admission would otherwise repeat forever
-                    queued, self._incoming = self._incoming, []
-                rows, self._rows = self._rows, []
-                for p in queued + [r.pending for r in rows]:
-                    p.finish(exc)
+                self._fail_held(exc)  # the queue too: a fault before admission would repeat
             finally:
                 self._lock.release()
         self._fail_leftovers()
@@ -272,12 +268,15 @@ class HFEngine:
         """After `stop`: fail what the worker still holds. A request taken off the queue is
         in no list `stop` reads until its prefill ends and it joins the batch; one admitted
         while `stop` ran would otherwise wait forever."""
+        self._fail_held(RuntimeError("engine stopped"))  # a no-op for what `stop` failed
+
+    def _fail_held(self, error: BaseException) -> None:
+        """Fail every queued request and every row of the batch with `error`."""
         with self._cond:
             queued, self._incoming = self._incoming, []
         rows, self._rows = self._rows, []
-        error = RuntimeError("engine stopped")
         for p in queued + [r.pending for r in rows]:
-            p.finish(error)  # a no-op for one `stop` already failed
+            p.finish(error)
 
     def _serve_one_version(self) -> None:
         """Serve until the batch empties; admit newcomers unless someone waits for the lock."""
@@ -285,19 +284,19 @@ class HFEngine:
         self._kv.serve(version)  # KV of another version is forgotten
         state = _BatchState()
         while not self._stopping:
-            if not self._rows:  # a failed forward emptied the batch: its KV must not stay
-                state = _BatchState()
             if self._may_admit():
                 room = self.max_batch_size - len(self._rows)
                 with self._cond:
                     admitted, self._incoming = self._incoming[:room], self._incoming[room:]
                 admitted = [p for p in admitted if not p.cancelled]
-                if admitted:
-                    self._run_guarded(partial(self._admit, state, admitted), admitted)
+                admit = partial(self._admit, state, admitted)
+                if admitted and not self._run_guarded(admit, admitted):
+                    state = _BatchState()  # the failed batch's KV must not stay
             self._drop_cancelled(state)
             if not self._rows:
                 return
-            self._run_guarded(partial(self._decode_step, state, version), None)
+            if not self._run_guarded(partial(self._decode_step, state, version), None):
+                state = _BatchState()  # the failed batch's KV must not stay
 
     def _may_admit(self) -> bool:
         """Newcomers join unless someone waits for the weights. With a plain lock, which
@@ -305,8 +304,8 @@ class HFEngine:
         waiting = getattr(self._lock, "waiting", None)
         return not self._rows if waiting is None else waiting == 0
 
-    def _run_guarded(self, fn: Callable[[], None], admitted: list[_Pending] | None) -> None:
-        """A failed forward fails the replies it touched, not the engine."""
+    def _run_guarded(self, fn: Callable[[], None], admitted: list[_Pending] | None) -> bool:
+        """A failed forward fails the replies it touched, not the engine; False if it did."""
         t0 = time.monotonic()
         self.busy_since = t0
         try:
@@ -317,10 +316,12 @@ class HFEngine:
             self._rows = []
             for p in victims:
                 p.finish(exc)
+            return False
         finally:
             self.busy_since = None
             with self._figures_lock:
                 self._figures.busy_s += time.monotonic() - t0
+        return True
 
     # --- admission: prefill and merge ------------------------------------------------
 
