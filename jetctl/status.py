@@ -249,6 +249,9 @@ def server_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "skipped_groups": _int(f, "skipped_groups"),
         "no_signal_recent": _float(f, "no_signal_recent"),
         "signal": f.get("signal") or "ok",
+        # per task: its last 64 consumed groups' share without signal, and the verdict
+        "no_signal_by_task": {k: float(v) for k, v in (f.get("no_signal_by_task") or {}).items()},
+        "signal_by_task": dict(f.get("signal_by_task") or {}),
     }
 
 
@@ -555,20 +558,27 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
 
 
 def signal_lines(doc: dict[str, Any]) -> list[RenderableType]:
-    """A warning per server whose recent groups carry no GRPO signal (all rewards equal)."""
+    """A warning per task whose recent groups carry no GRPO signal (all rewards equal), named
+    `model` when the server trains one task and `model/task` when it trains several."""
     lines: list[RenderableType] = []
     for s in doc["servers"]:
-        share = s.get("no_signal_recent") or 0.0
-        if s.get("signal") == "collapsed":
-            lines.append(Text(
-                f"{s['model']}: no learning signal: {share:.0%} of the last 64 groups scored "
-                "the same below the best reward seen (collapsed to one answer); it will not "
-                "recover by itself: lower the learning rate or raise the sampling temperature",
-                style="bold red"))
-        elif s.get("signal") == "solved":
-            lines.append(Text(
-                f"{s['model']}: {share:.0%} of the last 64 groups scored the best reward in "
-                "every rollout (solved): nothing left to learn from this task", style="yellow"))
+        verdicts = s.get("signal_by_task") or {}
+        shares = s.get("no_signal_by_task") or {}
+        if not verdicts and s.get("signal") in ("collapsed", "solved"):  # an older server
+            verdicts, shares = {"": s["signal"]}, {"": s.get("no_signal_recent") or 0.0}
+        for task, verdict in sorted(verdicts.items()):
+            who = s["model"] if len(verdicts) == 1 or not task else f"{s['model']}/{task}"
+            share = shares.get(task, 0.0)
+            if verdict == "collapsed":
+                lines.append(Text(
+                    f"{who}: no learning signal: {share:.0%} of the last 64 groups scored the "
+                    "same in every rollout, mostly below the best reward seen (collapsed to one "
+                    "answer); it will not recover by itself: lower the learning rate or raise "
+                    "the sampling temperature", style="bold red"))
+            elif verdict == "solved":
+                lines.append(Text(
+                    f"{who}: {share:.0%} of the last 64 groups scored the best reward in every "
+                    "rollout (solved): nothing left to learn from this task", style="yellow"))
     return lines
 
 

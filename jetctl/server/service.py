@@ -278,6 +278,7 @@ class SwarmService:
         window = min(60.0, max(time.time() - self.started, 1e-3))
         recent = f.recent_rewards[-64:]
         no_signal, signal = f.signal()
+        verdicts = f.signal_by_task()
         mix = self.trainer.mix
         mixed = mix.figures() if mix is not None else {}
         return pb.StatusReply(
@@ -308,6 +309,8 @@ class SwarmService:
             backfilled_by_task=dict(mix.backfilled_total) if mix is not None else {},
             starving_tasks=sorted(t for t, m in mixed.items() if m["starving"]),
             staleness_by_task=f.staleness_by_task(),
+            no_signal_by_task={t: share for t, (share, _) in verdicts.items()},
+            signal_by_task={t: verdict for t, (_, verdict) in verdicts.items()},
         )
 
 

@@ -11,8 +11,8 @@
 Dynamic sampling (DAPO, Yu et al. 2025): a group whose G rewards are all equal has every
 advantage 0 and moves nothing, so it never takes a batch slot; every optimizer step trains
 on exactly `groups_per_step` informative groups, and every step row reports the share of
-groups skipped. A run in which most recent groups carry no signal (`Status.signal`:
-`solved` when they all scored the best reward seen, else `collapsed`) is shown as such.
+groups skipped. A task most of whose recent groups carry no signal (`Status.signal_by_task`:
+`solved` when most of those scored its best reward seen, else `collapsed`) is shown as such.
 
 Runs in its own thread beside the inference engine, on the same model object: forward and
 backward only read the weights, so generation continues during them; only the optimizer
@@ -136,7 +136,7 @@ def accumulate_gradients(
     return Accumulated(loss_total, stats, normalizer, forward_s, backward_s)
 
 
-SIGNAL_WINDOW = 64  # consumed groups behind Status.signal
+SIGNAL_WINDOW = 64  # consumed groups (per task) behind Status.signal_by_task
 LAG_WINDOW = 32  # trained groups per task behind Status.staleness_by_task
 NO_SIGNAL_SHARE = 0.8  # above this share of equal-reward groups, the run has no signal
 
@@ -154,10 +154,11 @@ class TrainerFigures:
     last_checkpoint_version: int = -1
     last_checkpoint_time: float = 0.0
     skipped_groups: int = 0  # all rewards equal: consumed without a batch slot
-    # the last SIGNAL_WINDOW consumed groups: (informative, mean reward)
-    recent_signal: deque[tuple[bool, float]] = field(
-        default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
-    best_reward: float = float("-inf")  # the best group mean reward seen
+    # the last SIGNAL_WINDOW consumed groups, whatever their task: informative or not
+    recent_informative: deque[bool] = field(default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
+    # task -> its last SIGNAL_WINDOW consumed groups: (informative, mean reward)
+    recent_signal: dict[str, deque[tuple[bool, float]]] = field(default_factory=dict)
+    best_reward: dict[str, float] = field(default_factory=dict)  # task -> best group mean seen
     # task -> the lags (versions behind at the step) of its last LAG_WINDOW trained groups
     recent_lags: dict[str, deque[int]] = field(default_factory=dict)
 
@@ -171,17 +172,46 @@ class TrainerFigures:
         windows = {task: list(lags) for task, lags in list(self.recent_lags.items())}
         return {task: sum(lags) / len(lags) for task, lags in windows.items() if lags}
 
+    def note_consumed(self, task: str, informative: bool, mean: float) -> None:
+        """A group of `task` was consumed (trained, or skipped without signal)."""
+        self.best_reward[task] = max(self.best_reward.get(task, float("-inf")), mean)
+        self.recent_signal.setdefault(task, deque(maxlen=SIGNAL_WINDOW)).append(
+            (informative, mean))
+        self.recent_informative.append(informative)
+
+    def signal_by_task(self) -> dict[str, tuple[float, str]]:
+        """task -> (share of its last SIGNAL_WINDOW groups without signal, verdict).
+
+        `ok` while fewer than half a window is in or under NO_SIGNAL_SHARE of it is flat;
+        else `solved` when most of its flat groups scored the best group mean the task has
+        seen (every rollout right), `collapsed` when most scored the same below it (one
+        answer for every sample, not the best: nothing left to learn from, and no way up).
+        Judged per task: tasks have different best rewards, and one task solved beside
+        another still learning is neither.
+        """
+        out: dict[str, tuple[float, str]] = {}
+        for task, window in list(self.recent_signal.items()):  # the trainer thread appends
+            recent = list(window)
+            flat = [mean for informative, mean in recent if not informative]
+            share = len(flat) / len(recent) if recent else 0.0
+            if len(recent) < SIGNAL_WINDOW // 2 or share < NO_SIGNAL_SHARE:
+                out[task] = (share, "ok")
+                continue
+            best = self.best_reward.get(task, float("-inf"))
+            at_best = sum(1 for mean in flat if mean >= best - 1e-9)
+            out[task] = (share, "solved" if 2 * at_best >= len(flat) else "collapsed")
+        return out
+
     def signal(self) -> tuple[float, str]:
-        """(share of recent groups without signal, `ok` | `solved` | `collapsed`)."""
-        recent = list(self.recent_signal)
-        if not recent:
-            return 0.0, "ok"
-        flat = [r for informative, r in recent if not informative]
-        share = len(flat) / len(recent)
-        if len(recent) < SIGNAL_WINDOW // 2 or share < NO_SIGNAL_SHARE:
-            return share, "ok"
-        solved = all(r >= self.best_reward - 1e-9 for r in flat)
-        return share, "solved" if solved else "collapsed"
+        """(share of the last SIGNAL_WINDOW groups without signal, over all tasks; the run's
+        verdict): `collapsed` when a task collapsed, `solved` when every task is solved, else
+        `ok` (`signal_by_task` says which task)."""
+        recent = list(self.recent_informative)
+        share = (len(recent) - sum(recent)) / len(recent) if recent else 0.0
+        verdicts = {verdict for _, verdict in self.signal_by_task().values()}
+        if "collapsed" in verdicts:
+            return share, "collapsed"
+        return share, "solved" if verdicts == {"solved"} else "ok"
 
 
 class Trainer:
@@ -390,10 +420,7 @@ class Trainer:
 
     def _note_consumed(self, s: StoredGroup) -> None:
         rewards = [t.reward for t in s.group.trajectories]
-        mean = sum(rewards) / len(rewards)
-        f = self.figures
-        f.best_reward = max(f.best_reward, mean)
-        f.recent_signal.append((not _no_signal(s), mean))
+        self.figures.note_consumed(s.group.task, not _no_signal(s), sum(rewards) / len(rewards))
 
     @property
     def groups_waiting(self) -> int:

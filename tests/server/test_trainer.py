@@ -9,11 +9,12 @@ import fsspec
 import pytest
 import torch
 
+from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import CheckpointConfig, ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
 from jetctl.server.adapter import adapter_mode
-from jetctl.server.trainer import Trainer, load_trainable
+from jetctl.server.trainer import Trainer, TrainerFigures, load_trainable
 from tests.factories import make_group
 from tests.server.trainer_support import (
     PROMPT,
@@ -206,3 +207,89 @@ def test_a_run_without_signal_is_told_apart_collapsed_or_solved(tmp_path: Path) 
         submit(trainer, rewards=(1.0, 1.0))
         step(trainer)
     assert trainer.figures.signal() == (1.0, "solved")
+
+
+def test_the_signal_is_judged_per_task_against_its_own_best_reward(tmp_path: Path) -> None:
+    """One task solved beside another still learning is not a collapse (the old verdict
+    called the run collapsed unless every flat group scored the best reward of any task), a
+    solved task's rare all-wrong group does not turn it into one, and a task that answers
+    the same wrong thing every time is named."""
+    from jetctl.server.trainer import SIGNAL_WINDOW
+
+    f = TrainerFigures()
+    for i in range(SIGNAL_WINDOW):
+        # web: every rollout right, except one group in 16 where every rollout failed
+        f.note_consumed("web", informative=False, mean=0.0 if i % 16 == 0 else 1.0)
+        # code: still learning; its best group mean so far is 0.75
+        f.note_consumed("code", informative=True, mean=0.75 if i == 0 else 0.5)
+    by_task = f.signal_by_task()
+    assert by_task == {"web": (1.0, "solved"), "code": (0.0, "ok")}
+    assert f.signal() == (0.5, "ok"), "one task solved, one learning: the run is fine"
+    for _ in range(SIGNAL_WINDOW):  # code: one well-formed wrong answer for every sample
+        f.note_consumed("code", informative=False, mean=0.2)
+    assert f.signal_by_task()["code"] == (1.0, "collapsed")
+    assert f.signal() == (1.0, "collapsed")
+    for _ in range(SIGNAL_WINDOW):  # code: every rollout right now, at a new best of 1.0
+        f.note_consumed("code", informative=False, mean=1.0)
+    assert f.signal_by_task() == {"web": (1.0, "solved"), "code": (1.0, "solved")}
+    assert f.signal() == (1.0, "solved")
+
+
+def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -> None:
+    """Two tasks on one server, web solved and code collapsed: Status carries each task's
+    verdict through the controller's JSON, and `jetctl status` names the task it warns
+    about; with one task the warning names the model alone."""
+    import json
+
+    from rich.console import Console
+
+    from jetctl.controller.service import status_to_dict
+    from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.proto._gen import swarm_pb2 as spb
+    from jetctl.server.trainer import SIGNAL_WINDOW
+    from jetctl.status import document, render_status
+
+    def put(rewards: tuple[float, ...], task: str) -> None:
+        g = make_group(rewards=rewards, version=trainer.version, prompt=PROMPT,
+                       completion=(21, 22, 23), task=task)
+        assert trainer.store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome \
+            == "accepted"
+
+    def shown(figures: TrainerFigures) -> str:
+        share, verdict = figures.signal()
+        by_task = figures.signal_by_task()
+        reply = spb.StatusReply(  # as SwarmService.status fills them
+            model="policy", signal=verdict, no_signal_recent=share,
+            no_signal_by_task={t: v[0] for t, v in by_task.items()},
+            signal_by_task={t: v[1] for t, v in by_task.items()},
+        )
+        doc = document(cpb.RunStatusReply(run="t", run_dir="/runs/t", state="running", nodes=[
+            cpb.NodeStatus(name="server-policy", kind="server", model="policy",
+                           state="running", json=json.dumps(status_to_dict(reply)))]))
+        console = Console(width=400, record=True)
+        console.print(render_status(doc))
+        return console.export_text()
+
+    trainer = make_trainer(tmp_path, config(groups_per_step=1))
+    put((0.0, 1.0), "code")  # code's best group mean: 0.5
+    step(trainer)
+    assert trainer.version == 1
+    for _ in range(SIGNAL_WINDOW):  # flat groups are consumed without a step
+        put((1.0, 1.0), "web")
+        put((0.2, 0.2), "code")
+        step(trainer)
+        step(trainer)
+    assert trainer.store.buffer_depth == 0 and trainer.version == 1
+    by_task = trainer.figures.signal_by_task()
+    assert by_task["web"] == (1.0, "solved") and by_task["code"][1] == "collapsed"
+    text = shown(trainer.figures)
+    assert "policy/code: no learning signal: 100% of the last 64 groups" in text
+    assert "policy/web: 100% of the last 64 groups scored the best reward" in text
+
+    one = TrainerFigures()
+    for _ in range(SIGNAL_WINDOW):
+        one.note_consumed("arith", informative=False, mean=0.2)
+    one.note_consumed("arith", informative=True, mean=0.5)
+    text = shown(one)
+    assert "policy: no learning signal: 98% of the last 64 groups" in text, \
+        "a server with one task is named by its model alone"

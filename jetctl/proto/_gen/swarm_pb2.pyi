@@ -229,7 +229,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "model_source", "model_version", "buffer_groups", "accepted_groups", "accepted_trajectories", "rejected", "trained_trajectories", "trained_groups", "reward_mean_recent", "trajectories_per_second", "tokens_generated", "last_checkpoint_version", "uptime_s", "refused_calls", "last_step", "pid", "received_by_task", "rejected_groups", "reward_by_task", "no_signal_recent", "signal", "skipped_groups", "batch_share_by_task", "backfilled_by_task", "starving_tasks", "staleness_by_task")
+    __slots__ = ("model", "model_source", "model_version", "buffer_groups", "accepted_groups", "accepted_trajectories", "rejected", "trained_trajectories", "trained_groups", "reward_mean_recent", "trajectories_per_second", "tokens_generated", "last_checkpoint_version", "uptime_s", "refused_calls", "last_step", "pid", "received_by_task", "rejected_groups", "reward_by_task", "no_signal_recent", "signal", "skipped_groups", "batch_share_by_task", "backfilled_by_task", "starving_tasks", "staleness_by_task", "no_signal_by_task", "signal_by_task")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,20 @@ class StatusReply(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class NoSignalByTaskEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class SignalByTaskEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +334,8 @@ class StatusReply(_message.Message):
     BACKFILLED_BY_TASK_FIELD_NUMBER: _ClassVar[int]
     STARVING_TASKS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_BY_TASK_FIELD_NUMBER: _ClassVar[int]
+    NO_SIGNAL_BY_TASK_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_BY_TASK_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_source: str
     model_version: int
@@ -347,4 +363,6 @@ class StatusReply(_message.Message):
     backfilled_by_task: _containers.ScalarMap[str, int]
     starving_tasks: _containers.RepeatedScalarFieldContainer[str]
     staleness_by_task: _containers.ScalarMap[str, float]
-    def __init__(self, model: _Optional[str] = ..., model_source: _Optional[str] = ..., model_version: _Optional[int] = ..., buffer_groups: _Optional[int] = ..., accepted_groups: _Optional[int] = ..., accepted_trajectories: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., trained_trajectories: _Optional[int] = ..., trained_groups: _Optional[int] = ..., reward_mean_recent: _Optional[float] = ..., trajectories_per_second: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., last_checkpoint_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., refused_calls: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[_Mapping[str, float]] = ..., pid: _Optional[int] = ..., received_by_task: _Optional[_Mapping[str, int]] = ..., rejected_groups: _Optional[_Mapping[str, int]] = ..., reward_by_task: _Optional[_Mapping[str, float]] = ..., no_signal_recent: _Optional[float] = ..., signal: _Optional[str] = ..., skipped_groups: _Optional[int] = ..., batch_share_by_task: _Optional[_Mapping[str, float]] = ..., backfilled_by_task: _Optional[_Mapping[str, int]] = ..., starving_tasks: _Optional[_Iterable[str]] = ..., staleness_by_task: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    no_signal_by_task: _containers.ScalarMap[str, float]
+    signal_by_task: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., model_source: _Optional[str] = ..., model_version: _Optional[int] = ..., buffer_groups: _Optional[int] = ..., accepted_groups: _Optional[int] = ..., accepted_trajectories: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., trained_trajectories: _Optional[int] = ..., trained_groups: _Optional[int] = ..., reward_mean_recent: _Optional[float] = ..., trajectories_per_second: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., last_checkpoint_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., refused_calls: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[_Mapping[str, float]] = ..., pid: _Optional[int] = ..., received_by_task: _Optional[_Mapping[str, int]] = ..., rejected_groups: _Optional[_Mapping[str, int]] = ..., reward_by_task: _Optional[_Mapping[str, float]] = ..., no_signal_recent: _Optional[float] = ..., signal: _Optional[str] = ..., skipped_groups: _Optional[int] = ..., batch_share_by_task: _Optional[_Mapping[str, float]] = ..., backfilled_by_task: _Optional[_Mapping[str, int]] = ..., starving_tasks: _Optional[_Iterable[str]] = ..., staleness_by_task: _Optional[_Mapping[str, float]] = ..., no_signal_by_task: _Optional[_Mapping[str, float]] = ..., signal_by_task: _Optional[_Mapping[str, str]] = ...) -> None: ...
