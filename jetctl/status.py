@@ -460,17 +460,18 @@ def clients_table(doc: dict[str, Any]) -> Table:
 
 
 def ledger_line(ledger: dict[str, Any]) -> Text:
-    """Totals of `jetctl.ledger` in one line: where every trajectory id is."""
+    """Totals of `jetctl.ledger` in one line: the verdict first (a narrow terminal wraps the
+    counts, not the word that matters), then where every trajectory id is."""
     t = Text("ledger  ", style="bold")
-    t.append(f"produced {ledger['produced']}  trained {ledger['trained']}  "
-             f"rejected {sum(ledger['rejected'].values())}  "
-             f"dropped {sum(ledger['dropped'].values())}  "
-             f"in flight {sum(ledger['in_flight'].values())}  ")
     if ledger["balanced"]:
         t.append("balanced", style="green")
     else:
-        t.append(f"lost {ledger['lost']}, trained twice {ledger['trained_twice']}, "
+        t.append(f"NOT balanced: lost {ledger['lost']}, trained twice {ledger['trained_twice']}, "
                  f"conflicts {ledger['conflicts']}", style="red")
+    t.append(f"  produced {ledger['produced']}  trained {ledger['trained']}  "
+             f"rejected {sum(ledger['rejected'].values())}  "
+             f"dropped {sum(ledger['dropped'].values())}  "
+             f"in flight {sum(ledger['in_flight'].values())}")
     return t
 
 

@@ -324,3 +324,21 @@ def test_each_tasks_staleness_is_shown_per_role() -> None:
     console.print(render_status(doc))
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
     assert "planner 0.5 coder 3.0" in rows["team"] and "2.5" in rows["solo"]
+
+
+def test_the_ledger_line_says_balanced_first_so_a_narrow_terminal_wraps_the_counts() -> None:
+    from rich.console import Console
+
+    from jetctl.status import ledger_line
+
+    ledger = {"produced": 123456, "trained": 123000, "rejected": {"stale": 400},
+              "dropped": {"timeout": 48}, "in_flight": {"spool": 8}, "balanced": True,
+              "lost": 0, "trained_twice": 0, "conflicts": 0}
+    console = Console(width=60, record=True)
+    console.print(ledger_line(ledger))
+    first = console.export_text().splitlines()[0]
+    assert first.startswith("ledger  balanced  produced 123456"), first
+    console = Console(width=200, record=True)
+    console.print(ledger_line({**ledger, "balanced": False, "lost": 3}))
+    assert "ledger  NOT balanced: lost 3, trained twice 0, conflicts 0  produced" in \
+        console.export_text()
