@@ -223,6 +223,55 @@ async def test_a_conversations_next_turn_prefills_only_what_is_new(attn: str) ->
         await alone.stop()
 
 
+@pytest.mark.parametrize("attn", ["eager", "jetctl_tree"])
+async def test_next_turns_admitted_together_compute_what_they_share_once(attn: str) -> None:
+    """Two groups' next turns arrive together with nothing cached (an optimizer step emptied
+    the cache): the system prompt both groups share, each group's question and each
+    conversation's own reply and answer are computed once each, in that order, and the
+    replies equal those of an engine that keeps no KV."""
+    system = tokens(20, seed=4)
+    questions = [tokens(30, seed=5), tokens(30, seed=6)]
+    prompts = [system + q + tokens(10, seed=10 + 4 * g + i)
+               for g, q in enumerate(questions) for i in range(4)]
+
+    def make(kv_cache_bytes: int) -> HFEngine:
+        model, _ = tiny(attn)
+        return HFEngine(
+            model, eos_token_ids=[10**6], pad_token_id=0, weights_lock=WeightsLock(),
+            version=lambda: 0, max_batch_size=8, batch_wait_ms=100,
+            kv_cache_bytes=kv_cache_bytes,
+        )
+
+    async def together(e: HFEngine) -> tuple[list[GenResult], dict[str, float]]:
+        e.start()
+        try:
+            replies = await asyncio.gather(
+                *[e.generate(GenRequest(p, 4, 0.0, 1.0)) for p in prompts])
+            return list(replies), e.take_figures()
+        finally:
+            await e.stop()
+
+    (got, figures), (small, scratch) = (
+        await together(make(KV_CACHE_BYTES)), await together(make(0)))
+    assert figures["generate/requests"] == 8 and figures["generate/prompt_tokens"] == 8 * 60
+    assert figures["generate/prefill_tokens"] == 20 + 2 * 30 + 8 * 10
+    assert figures["generate/reused_tokens"] == 8 * 50
+    assert scratch["generate/prefill_tokens"] == figures["generate/prefill_tokens"], \
+        "what an admission shares is computed once even where the cache keeps nothing"
+    alone = make(0)  # one prompt at a time, nothing kept: every prompt computed whole
+    alone.start()
+    try:
+        asked = [await ask(alone, p, max_tokens=4) for p in prompts]
+    finally:
+        await alone.stop()
+    assert [f["generate/prefill_tokens"] for _, f in asked] == [60] * 8
+    want = [reply for reply, _ in asked]
+    for g, s, w in zip(got, small, want):
+        assert g.completion_ids == s.completion_ids == w.completion_ids
+        assert g.completion_logprobs == pytest.approx(w.completion_logprobs, abs=LOGPROB_TOL)
+        assert s.completion_logprobs == pytest.approx(w.completion_logprobs, abs=LOGPROB_TOL)
+
+
 @pytest.mark.parametrize("where", ["trainer's model", "replica"])
 async def test_a_new_version_empties_the_kv_cache(where: str) -> None:
     """KV computed at one version is never used at the next, whether the engine reads the

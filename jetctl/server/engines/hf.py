@@ -20,9 +20,10 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   not as a whole, because the re-tokenized conversation may differ from the sampled
   tokens near the join (a stop token, the chat template's separators); a partial match
   shorter than `MIN_REUSE_TOKENS` is not worth the copy. The cache empties when the
-  version changes, so every token of a reply still comes from one version, and a next
-  turn that arrives after an optimizer step is prefilled whole (so are those of the
-  replies the engine finishes while the trainer waits for the weights).
+  version changes, so every token of a reply still comes from one version. Prompts
+  admitted together that share an uncached prefix (a group's next turns after an
+  optimizer step: the same conversation start, then each its own reply and answer) have
+  that prefix computed once, as an entry of its own, and prefill only their own rest.
 * **Exact versions.** The worker holds the weights lock while any reply is in flight, so
   every token of a reply comes from one model version. When the trainer (or a checkpoint
   or weight snapshot) waits for the lock, the worker admits nobody new, finishes the
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -327,15 +329,27 @@ class HFEngine:
 
     def _admit(self, state: _BatchState, admitted: list[_Pending]) -> None:
         keys = [tuple(p.req.prompt_ids) for p in admitted]
-        plans = [self._kv.plan(key) for key in dict.fromkeys(keys)]
+        distinct = list(dict.fromkeys(keys))
+        plans = [self._kv.plan(key) for key in distinct]
+        computed: list[_Plan] = []
+        rounds = _shared_prefixes(plans)
+        shared_kv: dict[tuple[int, ...], _Prefilled] = {}  # this admission's, cached or not
+        for shared in rounds:  # prefixes several prompts share: computed once, then reused
+            prefix_plans = [p for p in (self._kv.plan(k, shared_kv) for k in shared) if p.suffix]
+            for plan, pre in zip(prefix_plans, self._prefill(prefix_plans)):
+                shared_kv[plan.prompt] = self._kv.put(plan.prompt, pre)
+            computed += prefix_plans
+        if rounds:
+            plans = [self._kv.plan(key, shared_kv) for key in distinct]
         todo = [plan for plan in plans if plan.suffix]
+        computed += todo
         ready = {plan.prompt: plan.cached for plan in plans if not plan.suffix}
         for plan, pre in zip(todo, self._prefill(todo) if todo else []):
             ready[plan.prompt] = self._kv.put(plan.prompt, pre)
         with self._figures_lock:
             self._figures.requests += len(admitted)
             self._figures.prompt_tokens += sum(len(k) for k in keys)
-            self._figures.prefill_tokens += sum(len(plan.suffix) for plan in todo)
+            self._figures.prefill_tokens += sum(len(plan.suffix) for plan in computed)
             self._figures.reused_tokens += sum(plan.reused for plan in plans)
         state.merge([_must(ready[k]) for k in keys], self.device)
         for p in admitted:
@@ -480,19 +494,22 @@ class _KVCache:
             self.nbytes = 0
             self.version = version
 
-    def plan(self, prompt: tuple[int, ...]) -> _Plan:
-        """Start `prompt` from the entry sharing its longest prefix: all of an equal entry
-        (whose logits predict the first new token), else at most all but the prompt's last
-        token (its logits must be computed); nothing when that is under MIN_REUSE_TOKENS."""
+    def plan(
+        self, prompt: tuple[int, ...], also: dict[tuple[int, ...], _Prefilled] | None = None,
+    ) -> _Plan:
+        """Start `prompt` from the entry sharing its longest prefix (of the cache's and of
+        `also`, KV of this version the caller holds): all of an equal entry (whose logits
+        predict the first new token), else at most all but the prompt's last token (its
+        logits must be computed); nothing when that is under MIN_REUSE_TOKENS."""
         best, best_key = _Plan(prompt, None, 0), None
-        for key, entry in self.entries.items():
+        for key, entry in [*self.entries.items(), *(also or {}).items()]:
             common = _common_prefix(key, prompt)
             reused = common if common == len(key) == len(prompt) else min(common, len(prompt) - 1)
             if reused > best.reused:
                 best, best_key = _Plan(prompt, entry, reused), key
         if best.suffix and best.reused < MIN_REUSE_TOKENS:
             return _Plan(prompt, None, 0)
-        if best_key is not None:
+        if best_key is not None and best_key in self.entries:
             self.entries.move_to_end(best_key)
         return best
 
@@ -604,6 +621,40 @@ def _prefix_cache(plans: list[_Plan], width: int) -> DynamicCache:
             vs.append(_left_pad(v[:, :, :plan.reused], width))
         layers.append((torch.cat(ks), torch.cat(vs)))
     return DynamicCache(ddp_cache_data=layers)
+
+
+def _shared_prefixes(plans: list[_Plan]) -> list[list[tuple[int, ...]]]:
+    """Prefixes that two or more of an admission's prompts share beyond what the cache gives
+    them, in rounds to compute one after the other (no prefix of a round starts another of
+    the same round, so each round reuses the rounds before it): a group's next turns after
+    an optimizer step emptied the cache share the conversation's start, then each has its
+    own reply and answer; two groups share the system prompt and the example before that.
+
+    With the prompts in token order, each branching point of their prefix tree is the
+    common prefix of two neighbours. One is kept when it is at least MIN_REUSE_TOKENS
+    longer than the cache's reuse for those neighbours and than the kept point above it."""
+    order = sorted((plan for plan in plans if plan.suffix), key=lambda plan: plan.prompt)
+    points: dict[tuple[int, ...], int] = {}  # branching point -> the reuse below it
+    for a, b in itertools.pairwise(order):
+        n = _common_prefix(a.prompt, b.prompt)
+        floor = max(a.reused, b.reused)
+        if n - floor >= MIN_REUSE_TOKENS:
+            key = a.prompt[:n]
+            points[key] = max(points.get(key, 0), floor)
+    kept: list[tuple[int, ...]] = []
+    for point in sorted(points, key=len):
+        above = max((len(k) for k in kept if point[: len(k)] == k), default=0)
+        if len(point) - max(above, points[point]) >= MIN_REUSE_TOKENS:
+            kept.append(point)
+    rounds: list[list[tuple[int, ...]]] = []
+    depth: dict[tuple[int, ...], int] = {}
+    for point in kept:  # shortest first: a point's round follows its ancestors'
+        d = 1 + max((depth[k] for k in depth if point[: len(k)] == k), default=-1)
+        depth[point] = d
+        if d == len(rounds):
+            rounds.append([])
+        rounds[d].append(point)
+    return rounds
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
