@@ -149,6 +149,12 @@ class TrainConfig(_Strict):
         description="refuse groups whose lag (server version - oldest call version) "
         "exceeds this many steps",
     )
+    order: Literal["oldest", "newest"] = Field(
+        default="oldest",
+        description="which buffered groups a step takes first: oldest (arrival order) or "
+        "newest (made at the highest model version first: the freshest data when generation "
+        "outruns training; older groups wait, and are refused once past max_staleness)",
+    )
     clip_eps: float = Field(
         default=0.2, gt=0, description="epsilon of PPO-clip: ratio clipped to [1 - eps, 1 + eps]"
     )
@@ -233,7 +239,8 @@ class GenerationConfig(_Strict):
     threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads of the engine's torch work (null: half of this host's cores "
-        "on a CPU server, the rest go to train.threads; generation and training run at once)",
+        "on a CPU server, the rest go to train.threads; generation and training run at once, "
+        "and while the trainer computes no step, engine hf on a CPU uses train.threads too)",
     )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"

@@ -37,7 +37,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -414,16 +414,23 @@ class TrajectoryStore:
     # --- the trainer's side ----------------------------------------------------------
 
     def take(
-        self, n: int, timeout_s: float, tasks: Collection[str] | None = None
+        self, n: int, timeout_s: float, tasks: Collection[str] | None = None,
+        newest_first: bool = False,
     ) -> list[StoredGroup]:
-        """Up to n buffered groups, oldest first (of `tasks` only, when given: the batch
-        builder's mixing ratios); waits up to timeout_s for the first n."""
+        """Up to n buffered groups (of `tasks` only, when given: the batch builder's mixing
+        ratios), oldest first, or with `newest_first` those made at the highest model
+        version first (the latest arrived among equals); waits up to timeout_s for the
+        first n."""
         deadline = time.monotonic() + timeout_s
 
         def matching() -> list[StoredGroup]:
-            if tasks is None:
-                return list(itertools.islice(self._buffer, n))
-            return list(itertools.islice((s for s in self._buffer if s.facts.task in tasks), n))
+            pool: Iterable[StoredGroup] = self._buffer
+            if tasks is not None:
+                pool = (s for s in pool if s.facts.task in tasks)
+            if newest_first:  # the highest version first; among equals the latest arrival
+                ranked = sorted(enumerate(pool), key=lambda e: (-e[1].facts.min_version, -e[0]))
+                pool = (s for _, s in ranked)
+            return list(itertools.islice(pool, n))
 
         with self._buffer_cond:
             found = matching()
@@ -433,13 +440,22 @@ class TrajectoryStore:
                     break
                 self._buffer_cond.wait(left)
                 found = matching()
-            if tasks is None:
+            if tasks is None and not newest_first:
                 for _ in found:
                     self._buffer.popleft()
             else:
                 chosen = {id(s) for s in found}
                 self._buffer = deque(s for s in self._buffer if id(s) not in chosen)
         return found
+
+    def take_older_than(self, min_version: int) -> list[StoredGroup]:
+        """Every buffered group made before `min_version` (oldest first): too stale to train
+        now, and only older as versions go on."""
+        with self._buffer_cond:
+            old = [s for s in self._buffer if s.facts.min_version < min_version]
+            if old:
+                self._buffer = deque(s for s in self._buffer if s.facts.min_version >= min_version)
+        return old
 
     def give_back(self, groups: list[StoredGroup]) -> None:
         """Return groups that were taken but not trained (front of the queue, same order)."""

@@ -1,7 +1,8 @@
 """The server's training loop: accepted groups -> staleness gate -> merge/pack -> GRPO -> step.
 
-    take buffered groups (oldest first) until groups_per_step informative ones are in:
-      refuse groups whose lag > max_staleness (again: the version moved since Submit)
+    refuse buffered groups whose lag > max_staleness (again: the version moved since Submit)
+    take buffered groups (train.order: oldest, or newest version first) until
+    groups_per_step informative ones are in:
       skip groups whose rewards are all equal (no GRPO signal): consumed, counted, no slot
     advantages per group -> training sequences (timeline merge) -> micro-batches (packing)
     forward/backward per micro-batch (gradient accumulation, token-mean loss)
@@ -264,6 +265,7 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
+        self.computing = False  # in a step's forward/backward (generation lends threads else)
         self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
         self._skipped: list[StoredGroup] = []  # consumed without signal since the last step
         self._gather_since: float | None = None
@@ -323,13 +325,19 @@ class Trainer:
         tc = self.cfg.train
         if self._gather_since is None:
             self._gather_since = time.monotonic()
+        self._consume(self.store.take_older_than(self.version - tc.max_staleness))
         if self.mix is not None:
             return self._step_mixed(self.mix, wait_s)
-        self._consume(self.store.take(tc.groups_per_step - len(self._ready), timeout_s=wait_s))
+        self._consume(self._take(tc.groups_per_step - len(self._ready), wait_s))
         if len(self._ready) < tc.groups_per_step:
             return None
         batch, self._ready = self._ready[: tc.groups_per_step], self._ready[tc.groups_per_step :]
         return self._close(batch)
+
+    def _take(self, n: int, wait_s: float, tasks: set[str] | None = None) -> list[StoredGroup]:
+        """Up to n buffered groups in `train.order` (of `tasks` only, when given)."""
+        return self.store.take(n, wait_s, tasks=tasks,
+                               newest_first=self.cfg.train.order == "newest")
 
     def _consume(self, taken: list[StoredGroup]) -> None:
         """Taken groups: too stale ones rejected, ones without signal consumed at this
@@ -374,10 +382,10 @@ class Trainer:
             self._quota, self._held_up = mix.quotas(), set()
         short = self._short()
         if short:
-            taken = [s for t, n in short.items() for s in self.store.take(n, 0.0, tasks={t})]
+            taken = [s for t, n in short.items() for s in self._take(n, 0.0, tasks={t})]
             if not taken:  # wait for a short task's next group, not past the back-fill time
                 left = mix.wait_s - (time.monotonic() - (self._gather_since or 0.0))
-                taken = self.store.take(1, max(0.0, min(wait_s, left)), tasks=set(short))
+                taken = self._take(1, max(0.0, min(wait_s, left)), tasks=set(short))
             self._consume(taken)
             short = self._short()
         if not short:
@@ -388,7 +396,7 @@ class Trainer:
             return None
         need = self.cfg.train.groups_per_step - len(self._ready)
         if need > 0:  # back-fill from whatever task has groups
-            self._consume(self.store.take(need, timeout_s=min(wait_s, 0.5)))
+            self._consume(self._take(need, min(wait_s, 0.5)))
         if len(self._ready) < self.cfg.train.groups_per_step:
             return None
         return self._close_mixed(mix)
@@ -466,7 +474,11 @@ class Trainer:
 
         scalars: dict[str, float] = {}
         if sequences:
-            scalars = self._optimize(sequences, tokens_naive)
+            self.computing = True
+            try:
+                scalars = self._optimize(sequences, tokens_naive)
+            finally:
+                self.computing = False
         with self.lock:
             if sequences:
                 self.optimizer.step()

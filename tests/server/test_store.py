@@ -230,3 +230,22 @@ def test_the_buffer_keeps_the_bytes_as_received_and_decodes_on_first_use(
     (again,) = store.take(1, timeout_s=0.1)
     assert again.payload == payload and again.facts == facts and again.group == g
     store.close()
+
+
+def test_newest_first_takes_the_highest_version_and_the_oldest_wait(tmp_path: Path) -> None:
+    """train.order: newest takes groups made at the highest model version first (the latest
+    arrival among equals), with or without a task filter; the oldest stay buffered, and
+    take_older_than hands over exactly those made before a version."""
+    store = _open(tmp_path / "s.sqlite")
+    made = [(0, "a"), (2, "a"), (1, "b"), (2, "b"), (0, "b")]  # (version, task), in arrival order
+    groups = [make_group(version=v, task=t) for v, t in made]
+    for g in groups:
+        assert store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome == "accepted"
+    ids = {g.id: i for i, g in enumerate(groups)}
+    taken = store.take(2, timeout_s=0.0, newest_first=True)
+    assert [ids[s.group.id] for s in taken] == [3, 1], "version 2 first, the later arrival first"
+    assert [ids[s.group.id] for s in store.take(1, 0.0, tasks={"b"}, newest_first=True)] == [2]
+    old = store.take_older_than(1)
+    assert [ids[s.group.id] for s in old] == [0, 4]
+    assert store.buffer_depth == 0
+    store.close()

@@ -47,6 +47,26 @@ def test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time(tmp_path
     assert trainer.store.buffer_depth == 0
 
 
+@pytest.mark.parametrize("order", ["oldest", "newest"])
+def test_train_order_picks_which_buffered_groups_train_first(tmp_path: Path, order: str) -> None:
+    """Groups made at versions 0, 3, 5 and 4 wait while the trainer is at version 5
+    (max_staleness 4). The version-0 group is refused as stale before any step, in either
+    order; then `oldest` trains them in arrival order and `newest` the highest version first.
+    Every group ends trained or refused."""
+    trainer = make_trainer(tmp_path, config(max_staleness=4, order=order))
+    trainer.version = 5  # as if five steps ran
+    made = {v: submit(trainer, version=v) for v in (0, 3, 5, 4)}
+    trained: list[int] = []  # the version each step's group was made at, step by step
+    for _ in range(3):
+        before = trainer.version
+        assert step(trainer) is not None and trainer.version == before + 1
+        trained.append(before - trainer.figures.recent_lags["digits"][-1])
+    stale = trainer.store.recorded(made[0].id)
+    assert stale is not None and stale.outcome == "stale" and "at batch time" in stale.reason
+    assert trained == ([3, 5, 4] if order == "oldest" else [5, 4, 3])
+    assert trainer.store.buffer_depth == 0
+
+
 def test_zero_variance_groups_change_no_weight(tmp_path: Path) -> None:
     """Every rollout of a group scored the same: GRPO's advantages are all zero, so the
     group carries no signal; it must not move the weights or the version, nor stay buffered."""
@@ -293,3 +313,15 @@ def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -
     text = shown(one)
     assert "policy: no learning signal: 98% of the last 64 groups" in text, \
         "a server with one task is named by its model alone"
+
+
+def test_the_trainer_says_when_it_computes_a_step(tmp_path: Path) -> None:
+    """`computing` (what the engine's borrowed threads follow) is true during a step's
+    forward and backward, and false while the trainer waits for groups."""
+    trainer = make_trainer(tmp_path, config())
+    during: list[bool] = []
+    trainer.model.register_forward_pre_hook(lambda *_: during.append(trainer.computing))
+    assert step(trainer) is None and not trainer.computing  # nothing buffered: it waits
+    submit(trainer)
+    assert step(trainer) is not None
+    assert during and all(during) and not trainer.computing
