@@ -63,7 +63,11 @@ def test_every_recipe_validates_and_is_headed_by_its_command(path: Path) -> None
 def test_quickstart_is_what_the_docs_promise() -> None:
     recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", env={})
     policy, task = recipe.models["policy"], recipe.tasks["arithmetic"]
-    assert recipe.run.name == "quickstart" and recipe.run.duration_s == 900
+    assert recipe.run.name == "quickstart" and recipe.run.duration_s == 360
+    assert task.env_args == {"max_turns": 1}, "one answer per question"
+    two = load_recipe(ROOT / "recipes" / "arithmetic-two-turns.yaml", env={})
+    assert two.tasks["arithmetic"].env_args == {"max_turns": 2}
+    assert two.models["policy"] == policy, "the same model, trainer and engine settings"
     assert policy.model == "builtin:smollm2-135m-instruct" and policy.finetune == "lora"
     assert policy.lora.r == 16 and policy.optimizer.lr == pytest.approx(5e-4)
     assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
