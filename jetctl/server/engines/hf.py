@@ -37,7 +37,7 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   each take every core slow both down several times on a small machine. While the trainer
   computes no step (it waits for groups), the worker borrows its threads too
   (`lent_threads`, checked before each forward): on 2 cores a decode step of 32 rows on
-  2 threads took 0.59x the time of 1 (128 replies of the quickstart's prompt).
+  2 threads took 0.58x the time of 1 (128 replies of the quickstart's prompt).
 
 * **Faults fail requests, not the engine.** A forward that raises fails the replies it
   touched, and the next batch starts from an empty batch state (the failed batch's KV
