@@ -468,9 +468,9 @@ def ledger_line(ledger: dict[str, Any]) -> Text:
     else:
         t.append(f"NOT balanced: lost {ledger['lost']}, trained twice {ledger['trained_twice']}, "
                  f"conflicts {ledger['conflicts']}", style="red")
-    t.append(f"  produced {ledger['produced']}  trained {ledger['trained']}  "
-             f"rejected {sum(ledger['rejected'].values())}  "
-             f"dropped {sum(ledger['dropped'].values())}  "
+    t.append(f": produced {ledger['produced']}, trained {ledger['trained']}, "
+             f"rejected {sum(ledger['rejected'].values())}, "
+             f"dropped {sum(ledger['dropped'].values())}, "
              f"in flight {sum(ledger['in_flight'].values())}")
     return t
 

@@ -337,8 +337,13 @@ def test_the_ledger_line_says_balanced_first_so_a_narrow_terminal_wraps_the_coun
     console = Console(width=60, record=True)
     console.print(ledger_line(ledger))
     first = console.export_text().splitlines()[0]
-    assert first.startswith("ledger  balanced  produced 123456"), first
+    assert first.startswith("ledger  balanced: produced 123456"), first
+    quickstart = {**ledger, "produced": 3000, "trained": 2944, "rejected": {"stale": 56},
+                  "dropped": {}, "in_flight": {}}
+    console = Console(width=80, record=True)
+    console.print(ledger_line(quickstart))
+    assert console.export_text().count("\n") == 1, "a quickstart's ledger fits 80 columns"
     console = Console(width=200, record=True)
     console.print(ledger_line({**ledger, "balanced": False, "lost": 3}))
-    assert "ledger  NOT balanced: lost 3, trained twice 0, conflicts 0  produced" in \
+    assert "ledger  NOT balanced: lost 3, trained twice 0, conflicts 0: produced" in \
         console.export_text()
