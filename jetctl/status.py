@@ -461,17 +461,22 @@ def clients_table(doc: dict[str, Any]) -> Table:
 
 def ledger_line(ledger: dict[str, Any]) -> Text:
     """Totals of `jetctl.ledger` in one line: the verdict first (a narrow terminal wraps the
-    counts, not the word that matters), then where every trajectory id is."""
+    counts, not the word that matters), then where every trajectory id is (rejected,
+    dropped and in flight when not 0)."""
     t = Text("ledger  ", style="bold")
     if ledger["balanced"]:
         t.append("balanced", style="green")
     else:
         t.append(f"NOT balanced: lost {ledger['lost']}, trained twice {ledger['trained_twice']}, "
                  f"conflicts {ledger['conflicts']}", style="red")
-    t.append(f": produced {ledger['produced']}, trained {ledger['trained']}, "
-             f"rejected {sum(ledger['rejected'].values())}, "
-             f"dropped {sum(ledger['dropped'].values())}, "
-             f"in flight {sum(ledger['in_flight'].values())}")
+    counts = [("produced", ledger["produced"]), ("trained", ledger["trained"])] + [
+        (name, n) for name, n in (
+            ("rejected", sum(ledger["rejected"].values())),
+            ("dropped", sum(ledger["dropped"].values())),
+            ("in flight", sum(ledger["in_flight"].values())),
+        ) if n  # the rest only when not 0
+    ]
+    t.append(": " + ", ".join(f"{name} {n}" for name, n in counts))
     return t
 
 
