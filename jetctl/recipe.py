@@ -239,8 +239,7 @@ class GenerationConfig(_Strict):
     threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads of the engine's torch work (null: half of this host's cores "
-        "on a CPU server, the rest go to train.threads; generation and training run at once, "
-        "and while the trainer computes no step, engine hf on a CPU uses train.threads too)",
+        "on a CPU server, the rest go to train.threads; generation and training run at once)",
     )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"

@@ -117,9 +117,6 @@ async def serve(opts: ServerOptions) -> int:
         version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
         threads=gen_threads,
-        # on a CPU host, generation borrows the trainer's threads while it computes no step
-        lent_threads=(lambda: 0 if trainer.computing else train_threads)
-        if torch.device(cfg.device).type == "cpu" else None,
     )
     engine = serving.engine
     trainer.publish = serving.publish  # None: the engine reads the trainer's own weights

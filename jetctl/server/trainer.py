@@ -265,7 +265,6 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
-        self.computing = False  # in a step's forward/backward (generation lends threads else)
         self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
         self._skipped: list[StoredGroup] = []  # consumed without signal since the last step
         self._gather_since: float | None = None
@@ -474,11 +473,7 @@ class Trainer:
 
         scalars: dict[str, float] = {}
         if sequences:
-            self.computing = True
-            try:
-                scalars = self._optimize(sequences, tokens_naive)
-            finally:
-                self.computing = False
+            scalars = self._optimize(sequences, tokens_naive)
         with self.lock:
             if sequences:
                 self.optimizer.step()

@@ -385,33 +385,3 @@ async def test_a_waiting_optimizer_step_gets_the_weights_under_steady_load() -> 
     assert versions[:4] == [0, 0, 0, 0] and versions[-1] == 1
     assert versions == sorted(versions)  # every request after the step got the new version
 
-
-async def test_generation_borrows_the_trainers_threads_while_it_computes_no_step() -> None:
-    """Each forward runs on the engine's own threads plus those lent right then: the
-    trainer's while it waits for groups, none while it computes a step; `generate/lent_s`
-    counts the busy time on borrowed threads."""
-    from jetctl.models import load_model
-
-    model, _ = load_model("builtin:tiny", attn_implementation="eager", progress=False)
-    seen: list[int] = []
-    model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-    trainer_computing = [False]
-    e = HFEngine(
-        model, eos_token_ids=[10**6], pad_token_id=0, weights_lock=WeightsLock(),
-        version=lambda: 0, max_batch_size=4, batch_wait_ms=0, threads=1,
-        lent_threads=lambda: 0 if trainer_computing[0] else 1,
-    )
-    e.start()
-    try:
-        await e.generate(GenRequest(tokens(12, seed=7), 4, 1.0, 1.0))
-        idle, idle_figures = seen[:], e.take_figures()
-        seen.clear()
-        trainer_computing[0] = True
-        await e.generate(GenRequest(tokens(12, seed=8), 4, 1.0, 1.0))
-        busy, busy_figures = seen[:], e.take_figures()
-    finally:
-        await e.stop()
-    assert idle and set(idle) == {2}, "the trainer waits: its thread is lent"
-    assert busy and set(busy) == {1}, "the trainer computes: the engine keeps to its own"
-    assert idle_figures["generate/lent_s"] == pytest.approx(idle_figures["generate/busy_s"])
-    assert busy_figures["generate/lent_s"] == 0.0 < busy_figures["generate/busy_s"]

@@ -314,14 +314,3 @@ def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -
     assert "policy: no learning signal: 98% of the last 64 groups" in text, \
         "a server with one task is named by its model alone"
 
-
-def test_the_trainer_says_when_it_computes_a_step(tmp_path: Path) -> None:
-    """`computing` (what the engine's borrowed threads follow) is true during a step's
-    forward and backward, and false while the trainer waits for groups."""
-    trainer = make_trainer(tmp_path, config())
-    during: list[bool] = []
-    trainer.model.register_forward_pre_hook(lambda *_: during.append(trainer.computing))
-    assert step(trainer) is None and not trainer.computing  # nothing buffered: it waits
-    submit(trainer)
-    assert step(trainer) is not None
-    assert during and all(during) and not trainer.computing

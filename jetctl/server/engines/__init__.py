@@ -44,13 +44,10 @@ def make_engine(
     version: Callable[[], int],
     on_batch: Callable[[int, int, float], None] | None = None,
     threads: int | None = None,
-    lent_threads: Callable[[], int] | None = None,
 ) -> ServingEngine:
     """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`.
 
-    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`;
-    `lent_threads`: how many more it may use right now (hf on the trainer's model: the
-    trainer's, while it computes no step).
+    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`.
     """
     from jetctl.server.engines.hf import HFEngine
     from jetctl.server.engines.replica import Replica
@@ -63,7 +60,7 @@ def make_engine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                 weights_lock=weights_lock, version=version,
                 max_batch_size=gen.max_batch_size, batch_wait_ms=gen.batch_wait_ms,
-                on_batch=on_batch, threads=threads, lent_threads=lent_threads,
+                on_batch=on_batch, threads=threads,
             ),
             publish=None,
         )

@@ -34,10 +34,9 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   PPO-clip needs.
 * **Its own CPU threads** (`generation.threads`): generation and the trainer's
   forward/backward run at the same time in one process, and two torch thread pools that
-  each take every core slow both down several times on a small machine. While the trainer
-  computes no step (it waits for groups), the worker borrows its threads too
-  (`lent_threads`, checked before each forward): on 2 cores a decode step of 32 rows on
-  2 threads took 0.58x the time of 1 (128 replies of the quickstart's prompt).
+  each take every core slow both down several times on a small machine. (Borrowing the
+  trainer's threads while it waits for groups was tried and measured slower: beside the
+  client processes a 2-thread pool on 2 cores loses more to preemption than it gains.)
 
 * **Faults fail requests, not the engine.** A forward that raises fails the replies it
   touched, and the next batch starts from an empty batch state (the failed batch's KV
@@ -160,7 +159,6 @@ class EngineFigures:
     prefill_tokens: int = 0  # actually computed (shared prompts once, cached prefixes never)
     reused_tokens: int = 0  # taken from the KV of earlier prompts and replies (same version)
     busy_s: float = 0.0
-    lent_s: float = 0.0  # of busy_s, with threads lent by the trainer
 
 
 class HFEngine:
@@ -179,7 +177,6 @@ class HFEngine:
         on_batch: Callable[[int, int, float], None] | None = None,
         threads: int | None = None,
         kv_cache_bytes: int = KV_CACHE_BYTES,
-        lent_threads: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -190,9 +187,6 @@ class HFEngine:
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._on_batch = on_batch  # (rows in the step, tokens generated, seconds)
         self.threads = threads
-        # threads another worker lends right now (the trainer's, while it computes no step)
-        self.lent_threads = lent_threads
-        self._threads_now = 0  # the worker's torch threads, as last set
         self.device = torch.device("cpu")  # the model's, read when the worker starts
         self._cache_kwarg = "cache"
         self._incoming: list[_Pending] = []
@@ -246,7 +240,6 @@ class HFEngine:
             "generate/prompt_tokens": float(f.prompt_tokens),
             "generate/reused_tokens": float(f.reused_tokens),
             "generate/busy_s": f.busy_s,
-            "generate/lent_s": f.lent_s,
         }
 
     # --- the worker thread -----------------------------------------------------------
@@ -254,7 +247,8 @@ class HFEngine:
     def _work(self) -> None:
         self.device = next(self.model.parameters()).device
         self._cache_kwarg = _cache_kwarg(self.model)
-        self._use_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's pool only
         while True:
             with self._cond:
                 while not self._incoming and not self._stopping:
@@ -314,18 +308,8 @@ class HFEngine:
         waiting = getattr(self._lock, "waiting", None)
         return not self._rows if waiting is None else waiting == 0
 
-    def _use_threads(self) -> int:
-        """Set this worker's torch threads: its own, plus those lent now; returns the lent."""
-        lent = self.lent_threads() if self.lent_threads is not None and self.threads else 0
-        want = (self.threads or 0) + lent
-        if want and want != self._threads_now:
-            torch.set_num_threads(want)  # this thread's pool only
-            self._threads_now = want
-        return lent
-
     def _run_guarded(self, fn: Callable[[], None], admitted: list[_Pending] | None) -> bool:
         """A failed forward fails the replies it touched, not the engine; False if it did."""
-        lent = self._use_threads()  # per forward: the trainer may have started or ended a step
         t0 = time.monotonic()
         self.busy_since = t0
         try:
@@ -339,11 +323,8 @@ class HFEngine:
             return False
         finally:
             self.busy_since = None
-            took = time.monotonic() - t0
             with self._figures_lock:
-                self._figures.busy_s += took
-                if lent:
-                    self._figures.lent_s += took
+                self._figures.busy_s += time.monotonic() - t0
         return True
 
     # --- admission: prefill and merge ------------------------------------------------
