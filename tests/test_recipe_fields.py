@@ -611,6 +611,10 @@ ROWS: dict[str, Row] = {
         f"{TRAINER}::test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time",
         "tests/server/test_server_process.py::test_stale_group_is_refused",
     )),
+    "models.<name>.train.order": CoveredBy((
+        f"{TRAINER}::test_train_order_picks_which_buffered_groups_train_first",
+        "tests/server/test_store.py::test_newest_first_takes_the_highest_version_and_the_oldest_wait",
+    )),
     "models.<name>.train.clip_eps": Effect(train_clip_eps),
     "models.<name>.train.kl_coef": CoveredBy((
         f"{TRAINER}::test_kl_penalty_holds_the_policy_near_the_base_model",
