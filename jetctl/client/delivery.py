@@ -180,6 +180,18 @@ class Delivery:
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
             return len(batch)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if cancelling is None or cancelling():
+                raise  # this sender is being stopped
+            # the call was cancelled under the sender (its channel was closed), not the
+            # sender: a sender that ended here would leave every later group unsent
+            log.warning("submit of %d groups was cancelled under the sender; will resend",
+                        len(batch))
+            for item in batch:
+                self.spool.defer(item.id, self._resend_delay(item.attempts))
+            return len(batch)
         if self._on_acked is not None:
             self._on_acked(time.perf_counter() - t0, len(batch))
         if self._link_down_since is not None:

@@ -216,6 +216,8 @@ class SwarmTransport:
         self.reachable = False
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SwarmStub | None = None
+        # replaced channels, closing once their calls finished (or after a grace)
+        self._retired: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     # ------------------------------------------------------------------ channel
 
@@ -252,7 +254,7 @@ class SwarmTransport:
         endpoint = self._current_endpoint()
         if self._stub is not None and endpoint == self.endpoint:
             return self._stub
-        await self._close_channel()
+        self._retire_channel()
         self.endpoint = endpoint
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(endpoint, options=self._options())
@@ -263,14 +265,30 @@ class SwarmTransport:
         self._stub = pb_grpc.SwarmStub(self._channel)
         return self._stub
 
-    async def _close_channel(self) -> None:
+    def _retire_channel(self) -> None:
+        """Stop using the open channel; calls already on it finish on it.
+
+        Closing a grpc.aio channel cancels its calls: the caller of each gets a bare
+        `asyncio.CancelledError`, which a sender takes for its own cancellation. A node's
+        sender can have a Submit on the channel while `register` replaces it (the groups of
+        an earlier process of the node go out before it registers), so the old channel is
+        closed in the background with a grace of one call timeout instead."""
+        if self._channel is None:
+            return
+        old, self._channel, self._stub = self._channel, None, None
+        closing = asyncio.get_running_loop().create_task(old.close(grace=self.call_timeout_s))
+        self._retired[closing] = old
+        closing.add_done_callback(lambda t: self._retired.pop(t, None))
+
+    async def close(self) -> None:
+        """Close the channel and any retired one now (their calls are cancelled)."""
         if self._channel is not None:
             await self._channel.close()
         self._channel = None
         self._stub = None
-
-    async def close(self) -> None:
-        await self._close_channel()
+        for closing, channel in list(self._retired.items()):
+            closing.cancel()
+            await channel.close()
 
     def _metadata(self) -> tuple[tuple[str, str]]:
         return bearer(self._token)
@@ -307,7 +325,7 @@ class SwarmTransport:
         reply: pb.RegisterReply = await self._retrying(call)
         if reply.max_message_bytes > 0 and reply.max_message_bytes != self.max_message_bytes:
             self.max_message_bytes = int(reply.max_message_bytes)
-            await self._close_channel()
+            self._retire_channel()  # reopened with the new cap on the next call
             await self._ensure_channel()
         return reply
 

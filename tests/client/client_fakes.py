@@ -57,6 +57,7 @@ class FakeSwarm(pb_grpc.SwarmServicer):
     ack_code: Callable[[pb.TrajectoryGroup], int] = lambda _g: pb.Ack.ACCEPTED
     submit_faults: list[str | None] = field(default_factory=list)
     generate_delay_s: float = 0.0
+    submit_delay_s: float = 0.0  # each Submit waits this long before it stores and acks
     generate_cancelled: int = 0  # Generate calls their caller cancelled while they waited
     stored: dict[str, pb.TrajectoryGroup] = field(default_factory=dict)
     submit_calls: list[list[str]] = field(default_factory=list)  # group ids per call
@@ -122,6 +123,8 @@ class FakeSwarm(pb_grpc.SwarmServicer):
         self.submit_calls.append([g.id for g in request.groups])
         self.submit_times.append(time.monotonic())
         fault = self.submit_faults.pop(0) if self.submit_faults else None
+        if self.submit_delay_s:
+            await asyncio.sleep(self.submit_delay_s)
         if fault == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake outage")
         acks = []

@@ -348,3 +348,35 @@ async def test_a_sender_error_is_logged_counted_and_delivery_goes_on(
     assert status_file(tmp_path)["spool_depth"] == 0
     assert node.metrics.registry.get_sample_value("jetctl_client_delivery_errors_total") == 2
     assert "database is locked" in caplog.text
+
+
+@pytest.mark.timeout(120)
+async def test_groups_of_an_earlier_process_go_out_while_the_node_registers(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    # a node killed with groups still spooled: its next process sends them before it
+    # registers. Registering reopened the channel under that Submit, the Submit was
+    # cancelled and the sender ended; the node then spooled thousands of groups, sent none
+    # and looked healthy (a chaos test timed out waiting for the version to rise)
+    from jetctl.client.spool import SpooledGroup
+    from jetctl.proto.convert import group_to_pb
+    from jetctl.rundir import RunPaths
+    from tests.factories import make_group
+
+    leftover = [make_group() for _ in range(3)]
+    spool = Spool(RunPaths(tmp_path).spool("t-0"))
+    spool.put_all([
+        SpooledGroup(g.id, group_to_pb(g).SerializeToString(), [t.id for t in g.trajectories],
+                     "policy")
+        for g in leftover
+    ])
+    spool.close()
+    fake = FakeSwarm(tokenizer, tokenizer_files, reply_text=digit_reply(tokenizer),
+                     submit_delay_s=0.5)
+    await run_node(
+        tmp_path, fake, 2, env="envs.digits:make_env", agent="agents.digits:agent",
+        env_args={"digit": 7, "length": 4}, group_size=2,
+    )
+    assert {g.id for g in leftover} <= set(fake.stored), "the earlier process's groups arrived"
+    assert len(fake.stored) == 3 + 2, "and the groups of this one"
+    assert status_file(tmp_path)["spool_depth"] == 0

@@ -4,6 +4,7 @@ pull is checked against its sha256."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -65,6 +66,31 @@ async def test_follows_a_restarted_server_to_its_new_port(
     assert first != second
     reply = await transport.submit([group_to_pb(make_group())])
     assert reply.acks[0].code == pb.Ack.ACCEPTED and transport.endpoint == second
+    await transport.close()
+    await server.stop(None)
+
+
+async def test_a_submit_under_way_survives_register_replacing_the_channel(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    # register reopens the channel with the server's message cap; closing the old one at
+    # once cancelled a node's Submit on it (the groups of an earlier process go out before
+    # the node registers), and the bare CancelledError ended the node's sender for good
+    fake = FakeSwarm(tokenizer, tokenizer_files, submit_delay_s=1.0)
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    assert transport.max_message_bytes != fake.max_message_bytes  # register changes the cap
+    group = group_to_pb(make_group())
+    submit = asyncio.create_task(transport.submit([group]))
+    while not fake.submit_calls:
+        await asyncio.sleep(0.01)
+    await transport.register("n", "digits", "r0")
+    assert transport.max_message_bytes == fake.max_message_bytes
+    reply = await submit
+    assert [a.code for a in reply.acks] == [pb.Ack.ACCEPTED]
+    assert len(fake.submit_calls) == 1, "answered on the old channel, not resent"
+    second = await transport.submit([group_to_pb(make_group())])  # on the new channel
+    assert [a.code for a in second.acks] == [pb.Ack.ACCEPTED]
     await transport.close()
     await server.stop(None)
 
