@@ -250,6 +250,15 @@ class GenerationConfig(_Strict):
         "after each optimizer step (null: engine hf generates on the trainer's model object; "
         "engine continuous keeps its copy on the trainer's device)",
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None,
+        description="dtype of the weights the engine generates with (null: the model's dtype). "
+        "Another dtype than the model's gives the engine its own copy in that dtype, refreshed "
+        "after each optimizer step (LoRA: the adapter only); replies carry that copy's "
+        "logprobs and the trainer's importance ratio corrects for the difference. bfloat16 "
+        "halves the weight bytes a decode step reads (on a CPU with avx512_bf16, a decode step "
+        "of SmolLM2-135M at 14 rows took 74 ms against 104 ms in float32)",
+    )
     publish_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -366,6 +375,16 @@ class ModelConfig(_Strict):
                     self.engine,
                     "needs the vllm package, which is not importable here: run "
                     "`pip install vllm` on a CUDA machine, or use engine: hf",
+                )
+            )
+        if self.engine == "vllm" and self.generation.dtype not in (None, self.dtype):
+            problems.append(
+                Problem(
+                    ("generation", "dtype"),
+                    self.generation.dtype,
+                    f"engine vllm loads the model in the model's dtype ({self.dtype}) and takes "
+                    "the trainer's tensors as they are: remove generation.dtype, or set dtype "
+                    "(the model's) instead",
                 )
             )
         if self.finetune == "full" and self.train.kl_coef > 0:

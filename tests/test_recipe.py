@@ -70,6 +70,7 @@ def test_quickstart_is_what_the_docs_promise() -> None:
     assert two.models["policy"] == policy, "the same model, trainer and engine settings"
     assert policy.model == "builtin:smollm2-135m-instruct" and policy.finetune == "lora"
     assert policy.lora.r == 16 and policy.optimizer.lr == pytest.approx(5e-4)
+    assert policy.dtype == "float32" and policy.generation.dtype == "bfloat16"
     assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
         2,
         8,
@@ -419,3 +420,21 @@ def test_checkpoint_folders_and_file_urls_validate(folder: str) -> None:
         "    model: builtin:tiny\n", f"    model: builtin:tiny\n    checkpoint:\n      dir: {folder}\n"
     )
     assert parse_recipe(text, env={}).models["policy"].checkpoint.dir == folder
+
+
+def test_a_generation_dtype_for_engine_vllm_is_refused() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    engine: vllm\n    generation: {dtype: bfloat16}\n",
+    )
+    found = {path: (line, rendered) for line, path, rendered in issues_of(text)}
+    line, rendered = found["models.policy.generation.dtype"]
+    assert line == 7
+    assert "'bfloat16'" in rendered and "engine vllm loads the model in the model's dtype" in rendered
+    assert "set dtype" in rendered
+    # the model's own dtype is no second dtype: nothing to refuse on that line
+    same = text.replace("{dtype: bfloat16}", "{dtype: float32}")
+    try:
+        parse_recipe(same, file="r.yaml", env={})
+    except RecipeError as e:  # where vllm is not importable, the engine line is refused
+        assert "models.policy.generation.dtype" not in {i.path for i in e.issues}

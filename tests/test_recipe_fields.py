@@ -644,6 +644,10 @@ ROWS: dict[str, Row] = {
         "tests/server/test_engines.py::test_each_reply_is_exact_to_the_version_it_names_while_weights_change",
         "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
     )),
+    "models.<name>.generation.dtype": CoveredBy((
+        "tests/server/test_engine_replica.py::test_generation_dtype_serves_a_bfloat16_copy_whose_replies_name_their_version",
+        "tests/test_recipe.py::test_a_generation_dtype_for_engine_vllm_is_refused",
+    )),
     "models.<name>.generation.publish_timeout_s": CoveredBy((
         "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
         "tests/server/test_engine_replica.py::test_continuous_publish_waits_for_the_request_in_flight_or_misses",

@@ -8,7 +8,9 @@ optimizer as the recipe's task:
     load the model (+ the same LoRA adapter); repeat:
         run groups_per_step x G rollouts of the real agent, each in a thread, against an
         in-process OpenAI-style client; the calls they make are answered together by one
-        left-padded `model.generate` per turn (environment answers run in parallel)
+        left-padded `model.generate` per turn (environment answers run in parallel; with
+        `generation.dtype` set, on a copy in that dtype refreshed after each step, as the
+        swarm's engine generates)
         score them (the env's reward); keep the groups whose rewards differ
         once groups_per_step such groups are in: one GRPO PPO-clip step (jetctl's loss,
         behaviour logprobs from generation, token-mean), AdamW, gradient clipping
@@ -24,6 +26,7 @@ failure raises), and everything else that keeps a long run alive.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -193,6 +196,20 @@ class SyncLoop:
                 p.requires_grad_(True)
         self.model.eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # generation.dtype, as the swarm's engine has it: generate from a copy in that dtype,
+        # refreshed after each step (the trainable tensors, cast)
+        self.gen_model = self.model
+        self._gen_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        gen_dtype = (mc.get("generation") or {}).get("dtype")
+        if gen_dtype is not None and gen_dtype != mc["dtype"]:
+            self.gen_model = copy.deepcopy(self.model)
+            for q in self.gen_model.parameters():
+                q.requires_grad_(False)
+                if q.is_floating_point():
+                    q.data = q.data.to(getattr(torch, gen_dtype))
+            mine = dict(self.gen_model.named_parameters())
+            self._gen_pairs = [
+                (q, mine[n]) for n, q in self.model.named_parameters() if q.requires_grad]
         opt = mc["optimizer"]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=opt["lr"], betas=tuple(opt["betas"]), weight_decay=opt["weight_decay"]
@@ -260,7 +277,8 @@ class SyncLoop:
             max_new_tokens=max(c.max_tokens for c in calls), eos_token_id=self.eos,
             pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True,
         )
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        out = self.gen_model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config)
         new = out.sequences[:, width:]  # [B, T_new]
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)
         logprobs = logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, T_new]
@@ -318,6 +336,9 @@ class SyncLoop:
         torch.nn.utils.clip_grad_norm_(self.params, self.spec.model["optimizer"]["max_grad_norm"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for src, dst in self._gen_pairs:
+                dst.copy_(src)
         self.version += 1
         self.out["train_s"].append(time.monotonic() - t0)
         self.out["steps"].append(time.monotonic() - T0)

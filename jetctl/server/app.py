@@ -120,6 +120,11 @@ async def serve(opts: ServerOptions) -> int:
     )
     engine = serving.engine
     trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
+    gen = cfg.generation
+    log.info("engine %s generates %s", cfg.engine,
+             "on the trainer's model" if serving.publish is None else
+             f"on its own copy ({gen.dtype or cfg.dtype} on {gen.device or cfg.device}), "
+             "refreshed after each optimizer step")
     take_figures = getattr(serving.engine, "take_figures", None)
     if take_figures is not None:
         trainer.extra_scalars = take_figures

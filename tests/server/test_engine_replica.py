@@ -4,7 +4,9 @@ loud error, and the KV blocks a continuous-batching cache must forget after a pu
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ from jetctl.server.engines.replica import PublishError, Replica
 from tests.server.test_engines import LOGPROB_TOL, check_reply, prompts, serve
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+# bfloat16 keeps 8 bits of mantissa: on builtin:tiny a reply batched and the same reply
+# teacher-forced alone differed by up to 0.005 (float32: ~1e-6); another version by 0.4-1.6
+BF16_TOL = 0.02
 
 
 def test_a_publish_copies_only_what_training_changes() -> None:
@@ -103,3 +109,55 @@ async def test_continuous_forgets_cached_prefix_blocks_after_a_publish() -> None
     check_reply(s, req, after)  # stale blocks would be off by far more than LOGPROB_TOL
     assert LOGPROB_TOL < 1e-3
     await engine.stop()
+
+
+@torch.no_grad()
+def _cast_reference(
+    s: Any, version: int, prompt: list[int], completion: list[int], dtype: torch.dtype
+) -> list[float]:
+    """Teacher-forced untempered logprobs of `completion` under `version`'s weights cast to
+    `dtype` (parameters only, as the replica casts them)."""
+    model = copy.deepcopy(s.model)
+    model.load_state_dict(s.versions[version])
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    logits = model(input_ids=torch.tensor([prompt + completion])).logits.float()[0]
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+async def test_generation_dtype_serves_a_bfloat16_copy_whose_replies_name_their_version() -> None:
+    s = serve("hf", generation=GenerationConfig(dtype="bfloat16"))
+    assert s.publish is not None, "another dtype than the model's needs a copy of its own"
+    replica = s.publish.__self__  # type: ignore[attr-defined]
+    assert {p.dtype for p in replica.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in s.model.parameters()} == {torch.float32}  # the trainer's: as it was
+    s.engine.start()
+    try:
+        replies = []
+        for version in (0, 1):
+            reqs = [GenRequest(p, max_tokens=10, temperature=1.0, top_p=1.0) for p in prompts(12)]
+            results = await asyncio.gather(*(s.engine.generate(r) for r in reqs))
+            assert {r.model_version for r in results} == {version}
+            replies += list(zip(reqs, results))
+            if version == 0:
+                await asyncio.to_thread(s.step, seed=3)  # publishes version 1, cast
+        assert replica.version == 1
+        to_fp32 = []
+        for req, res in replies:
+            args = (req.prompt_ids, res.completion_ids)
+            own = _cast_reference(s, res.model_version, *args, torch.bfloat16)
+            other = _cast_reference(s, 1 - res.model_version, *args, torch.bfloat16)
+            # explained by its own version's bfloat16 weights, batched or alone ...
+            assert _gap(res.completion_logprobs, own) <= BF16_TOL
+            # ... and not by the other version's (the check can fail)
+            assert _gap(res.completion_logprobs, other) > 4 * BF16_TOL
+            to_fp32.append(_gap(res.completion_logprobs, s.reference_logprobs(res.model_version, *args)))
+        # generated in bfloat16, not float32: the float32 weights explain the replies less well
+        assert max(to_fp32) > 10 * LOGPROB_TOL
+    finally:
+        await s.engine.stop()

@@ -2,7 +2,8 @@
 
     hf          engines/hf.py: continuous batching (newcomers join between decode steps) on
                 the trainer's own model object, or on a replica when `generation.device` is
-                set (a second GPU)
+                set (a second GPU) or `generation.dtype` differs from the model's (a
+                bfloat16 copy on a CPU)
     continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
                 always on a replica (`generation.device`, else the trainer's device)
     vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)
@@ -54,7 +55,9 @@ def make_engine(
 
     gen = cfg.generation
     threads = threads or gen.threads
-    if cfg.engine == "hf" and gen.device is None:
+    # a device or a dtype of its own gives the engine a copy of the weights (a replica)
+    own_dtype = gen.dtype is not None and gen.dtype != cfg.dtype
+    if cfg.engine == "hf" and gen.device is None and not own_dtype:
         return ServingEngine(
             HFEngine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
@@ -73,7 +76,7 @@ def make_engine(
     lock = WeightsLock()
     replica = Replica(
         model, device=gen.device or cfg.device, version=version(),
-        timeout_s=gen.publish_timeout_s, gate=lock,
+        timeout_s=gen.publish_timeout_s, gate=lock, dtype=gen.dtype if own_dtype else None,
     )
     if cfg.engine == "hf":
         engine: Engine = HFEngine(

@@ -1,9 +1,11 @@
 """An engine's own copy of the trainer's model, refreshed after each optimizer step under a deadline.
 
-Engines that do not generate on the trainer's model object (a second GPU, or a continuous
-batching loop that must not see weights change under a running request) serve a `Replica`:
-a deep copy of the trainer's model on `device`, with its own version. After each optimizer
-step the trainer thread calls `publish(version)`:
+Engines that do not generate on the trainer's model object (a second GPU, weights in
+another dtype, or a continuous batching loop that must not see weights change under a
+running request) serve a `Replica`: a deep copy of the trainer's model on `device` (its
+parameters in `dtype` when one is given, `generation.dtype`; each publish casts what it
+copies), with its own version. After each optimizer step the trainer thread calls
+`publish(version)`:
 
     acquire the engine's gate, at most `timeout_s`    (the engine finishes what it is running)
     copy the trainable tensors trainer -> replica       (LoRA: the adapter only; full: all)
@@ -70,6 +72,7 @@ class Replica:
         timeout_s: float,
         max_misses: int = 3,
         gate: Gate | None = None,
+        dtype: str | None = None,
     ) -> None:
         self.source = source
         self.device = torch.device(device)
@@ -77,6 +80,9 @@ class Replica:
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+            if dtype is not None and p.is_floating_point():
+                # parameters only: buffers such as RoPE's inverse frequencies keep their dtype
+                p.data = p.data.to(getattr(torch, dtype))
         self.version = version
         self.timeout_s = timeout_s
         self.max_misses = max_misses

@@ -1,0 +1,51 @@
+"""The bench's baseline loop (`jetctl.bench.sync_loop`) on builtin:tiny: what it generates
+with follows the recipe as the swarm's engine does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetctl.bench.sync_loop import LoopSpec, SyncLoop
+from jetctl.recipe import GenerationConfig, load_recipe
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_loop_generates_from_a_copy_in_generation_dtype_refreshed_after_each_step() -> None:
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    model = rec.models["policy"].model_copy(
+        update={"generation": GenerationConfig(dtype="bfloat16")})
+    spec = LoopSpec(
+        model=model.model_dump(mode="json"), task=rec.tasks["digits"].model_dump(mode="json"),
+        seconds=60, seed=0, threads=1,
+    )
+    loop = SyncLoop(spec)
+    assert loop.gen_model is not loop.model
+    assert {p.dtype for p in loop.gen_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loop.model.parameters()} == {torch.float32}
+
+    groups = loop.rollouts(2)
+    assert loop.out["gen_batches"] and all(r.calls for g in groups for r in g)
+    for g in groups:  # rewards that differ, so the step moves the weights
+        for i, r in enumerate(g):
+            r.reward = float(i % 2)
+    before = [src.detach().clone() for src, _ in loop._gen_pairs]
+    loop.step(groups)
+    assert any(not torch.equal(b, src) for b, (src, _) in zip(before, loop._gen_pairs))
+    for src, dst in loop._gen_pairs:
+        assert torch.equal(dst, src.detach().to(torch.bfloat16))
+
+
+def test_without_generation_dtype_the_loop_generates_on_the_trained_model() -> None:
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    spec = LoopSpec(
+        model=rec.models["policy"].model_dump(mode="json"),
+        task=rec.tasks["digits"].model_dump(mode="json"), seconds=60, seed=0, threads=1,
+    )
+    loop = SyncLoop(spec)
+    assert loop.gen_model is loop.model and not loop._gen_pairs
