@@ -70,7 +70,7 @@ def test_quickstart_is_what_the_docs_promise() -> None:
     assert two.models["policy"] == policy, "the same model, trainer and engine settings"
     assert policy.model == "builtin:smollm2-135m-instruct" and policy.finetune == "lora"
     assert policy.lora.r == 16 and policy.optimizer.lr == pytest.approx(5e-4)
-    assert policy.dtype == "float32" and policy.generation.dtype == "bfloat16"
+    assert policy.dtype == "float32" and policy.generation.dtype == "auto"
     assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
         2,
         8,
@@ -432,9 +432,11 @@ def test_a_generation_dtype_for_engine_vllm_is_refused() -> None:
     assert line == 7
     assert "'bfloat16'" in rendered and "engine vllm loads the model in the model's dtype" in rendered
     assert "set dtype" in rendered
-    # the model's own dtype is no second dtype: nothing to refuse on that line
-    same = text.replace("{dtype: bfloat16}", "{dtype: float32}")
-    try:
-        parse_recipe(same, file="r.yaml", env={})
-    except RecipeError as e:  # where vllm is not importable, the engine line is refused
-        assert "models.policy.generation.dtype" not in {i.path for i in e.issues}
+    # the model's own dtype is no second dtype, and auto picks the model's for vllm:
+    # nothing to refuse on that line
+    for fine in ("{dtype: float32}", "{dtype: auto}"):
+        same = text.replace("{dtype: bfloat16}", fine)
+        try:
+            parse_recipe(same, file="r.yaml", env={})
+        except RecipeError as e:  # where vllm is not importable, the engine line is refused
+            assert "models.policy.generation.dtype" not in {i.path for i in e.issues}

@@ -647,6 +647,8 @@ ROWS: dict[str, Row] = {
     "models.<name>.generation.dtype": CoveredBy((
         "tests/server/test_engine_replica.py::test_generation_dtype_serves_a_bfloat16_copy_whose_replies_name_their_version",
         "tests/test_recipe.py::test_a_generation_dtype_for_engine_vllm_is_refused",
+        "tests/server/test_engine_dtype.py::test_auto_takes_bfloat16_only_where_this_host_measures_it_faster",
+        "tests/server/test_engine_dtype.py::test_auto_on_this_cpu_measures_both_and_the_engine_follows_its_pick",
     )),
     "models.<name>.generation.publish_timeout_s": CoveredBy((
         "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",

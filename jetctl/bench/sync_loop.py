@@ -8,9 +8,9 @@ optimizer as the recipe's task:
     load the model (+ the same LoRA adapter); repeat:
         run groups_per_step x G rollouts of the real agent, each in a thread, against an
         in-process OpenAI-style client; the calls they make are answered together by one
-        left-padded `model.generate` per turn (environment answers run in parallel; with
-        `generation.dtype` set, on a copy in that dtype refreshed after each step, as the
-        swarm's engine generates)
+        left-padded `model.generate` per turn (environment answers run in parallel; where
+        `generation.dtype` asks for another dtype, or `auto` picks one on this host, on a
+        copy in that dtype refreshed after each step, as the swarm's engine generates)
         score them (the env's reward); keep the groups whose rewards differ
         once groups_per_step such groups are in: one GRPO PPO-clip step (jetctl's loss,
         behaviour logprobs from generation, token-mean), AdamW, gradient clipping
@@ -200,8 +200,15 @@ class SyncLoop:
         # refreshed after each step (the trainable tensors, cast)
         self.gen_model = self.model
         self._gen_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        gen_dtype = (mc.get("generation") or {}).get("dtype")
-        if gen_dtype is not None and gen_dtype != mc["dtype"]:
+        from jetctl.server.engines.dtype import pick_generation_dtype
+
+        self.gen_dtype = pick_generation_dtype(
+            mc["generation"]["dtype"], self.model, model_dtype=mc["dtype"], engine="hf",
+            device="cpu", threads=spec.threads or None,
+        )
+        print(f"[loop] generation dtype: {self.gen_dtype.why}", file=sys.stderr, flush=True)
+        gen_dtype = self.gen_dtype.dtype
+        if gen_dtype is not None:
             self.gen_model = copy.deepcopy(self.model)
             for q in self.gen_model.parameters():
                 q.requires_grad_(False)

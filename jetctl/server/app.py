@@ -121,10 +121,11 @@ async def serve(opts: ServerOptions) -> int:
     engine = serving.engine
     trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
     gen = cfg.generation
-    log.info("engine %s generates %s", cfg.engine,
+    log.info("engine %s generates %s; dtype: %s", cfg.engine,
              "on the trainer's model" if serving.publish is None else
-             f"on its own copy ({gen.dtype or cfg.dtype} on {gen.device or cfg.device}), "
-             "refreshed after each optimizer step")
+             f"on its own copy ({serving.dtype.dtype or cfg.dtype} on "
+             f"{gen.device or cfg.device}), refreshed after each optimizer step",
+             serving.dtype.why)
     take_figures = getattr(serving.engine, "take_figures", None)
     if take_figures is not None:
         trainer.extra_scalars = take_figures

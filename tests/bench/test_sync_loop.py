@@ -49,3 +49,19 @@ def test_without_generation_dtype_the_loop_generates_on_the_trained_model() -> N
     )
     loop = SyncLoop(spec)
     assert loop.gen_model is loop.model and not loop._gen_pairs
+
+
+def test_with_generation_dtype_auto_the_loop_takes_the_engines_pick_on_this_host() -> None:
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    model = rec.models["policy"].model_copy(update={"generation": GenerationConfig(dtype="auto")})
+    spec = LoopSpec(
+        model=model.model_dump(mode="json"), task=rec.tasks["digits"].model_dump(mode="json"),
+        seconds=60, seed=0, threads=1,
+    )
+    loop = SyncLoop(spec)
+    assert loop.gen_dtype.why.startswith("auto: ")  # measured, as the server's engine measures
+    picked = {p.dtype for p in loop.gen_model.parameters()}
+    if loop.gen_dtype.dtype == "bfloat16":
+        assert loop.gen_model is not loop.model and picked == {torch.bfloat16}
+    else:
+        assert loop.gen_model is loop.model and picked == {torch.float32}

@@ -2,8 +2,8 @@
 
     hf          engines/hf.py: continuous batching (newcomers join between decode steps) on
                 the trainer's own model object, or on a replica when `generation.device` is
-                set (a second GPU) or `generation.dtype` differs from the model's (a
-                bfloat16 copy on a CPU)
+                set (a second GPU) or the engine generates in another dtype than the
+                model's (`generation.dtype`; engines/dtype.py: what `auto` picks here)
     continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
                 always on a replica (`generation.device`, else the trainer's device)
     vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jetctl.server.engines.base import Engine, GenRequest, GenResult
+from jetctl.server.engines.dtype import GenerationDtype, resolve_generation_dtype
 from jetctl.server.locks import WeightsLock
 
 if TYPE_CHECKING:  # the engines import without pydantic (scripts/gpu_check.sh)
@@ -33,6 +34,7 @@ __all__ = ["Engine", "GenRequest", "GenResult", "ServingEngine", "make_engine"]
 class ServingEngine:
     engine: Engine
     publish: Callable[[int], float] | None  # None: the engine reads the trainer's weights
+    dtype: GenerationDtype  # what it generates in, and why
 
 
 def make_engine(
@@ -55,9 +57,9 @@ def make_engine(
 
     gen = cfg.generation
     threads = threads or gen.threads
+    dtype = resolve_generation_dtype(cfg, model, threads)
     # a device or a dtype of its own gives the engine a copy of the weights (a replica)
-    own_dtype = gen.dtype is not None and gen.dtype != cfg.dtype
-    if cfg.engine == "hf" and gen.device is None and not own_dtype:
+    if cfg.engine == "hf" and gen.device is None and dtype.dtype is None:
         return ServingEngine(
             HFEngine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
@@ -65,18 +67,18 @@ def make_engine(
                 max_batch_size=gen.max_batch_size, batch_wait_ms=gen.batch_wait_ms,
                 on_batch=on_batch, threads=threads,
             ),
-            publish=None,
+            publish=None, dtype=dtype,
         )
     if cfg.engine == "vllm":
         from jetctl.server.engines.vllm import VLLMEngine
 
         vllm = VLLMEngine(cfg, model, eos_token_ids=eos_token_ids, version=version())
-        return ServingEngine(vllm, publish=vllm.publish)
+        return ServingEngine(vllm, publish=vllm.publish, dtype=dtype)
     # hf: held around each decode step (a waiting publish stops admissions); continuous: replaced
     lock = WeightsLock()
     replica = Replica(
         model, device=gen.device or cfg.device, version=version(),
-        timeout_s=gen.publish_timeout_s, gate=lock, dtype=gen.dtype if own_dtype else None,
+        timeout_s=gen.publish_timeout_s, gate=lock, dtype=dtype.dtype,
     )
     if cfg.engine == "hf":
         engine: Engine = HFEngine(
@@ -84,7 +86,7 @@ def make_engine(
             weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
             batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch, threads=threads,
         )
-        return ServingEngine(engine, publish=replica.publish)
+        return ServingEngine(engine, publish=replica.publish, dtype=dtype)
     from jetctl.server.engines.continuous import ContinuousEngine
 
     engine = ContinuousEngine(
@@ -92,4 +94,4 @@ def make_engine(
         max_batch_size=gen.max_batch_size, max_new_tokens=gen.max_new_tokens,
         batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch,
     )
-    return ServingEngine(engine, publish=replica.publish)
+    return ServingEngine(engine, publish=replica.publish, dtype=dtype)
