@@ -3,6 +3,7 @@ with follows the recipe as the swarm's engine does."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ from jetctl.recipe import GenerationConfig, load_recipe
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> Iterator[None]:
+    """The loop owns its process (`python -m jetctl.bench.sync_loop`) and sets the process's
+    torch threads; in the test process that setting would leak into later tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_the_loop_generates_from_a_copy_in_generation_dtype_refreshed_after_each_step() -> None:
