@@ -26,7 +26,6 @@ failure raises), and everything else that keeps a long run alive.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import os
@@ -196,27 +195,22 @@ class SyncLoop:
                 p.requires_grad_(True)
         self.model.eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # generation.dtype, as the swarm's engine has it: generate from a copy in that dtype,
-        # refreshed after each step (the trainable tensors, cast)
-        self.gen_model = self.model
-        self._gen_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # generation.dtype, as the swarm's engine has it: generate from the engine's Replica
+        # in that dtype, refreshed after each step (the trainable tensors, cast)
         from jetctl.server.engines.dtype import pick_generation_dtype
+        from jetctl.server.engines.replica import Replica
 
         self.gen_dtype = pick_generation_dtype(
             mc["generation"]["dtype"], self.model, model_dtype=mc["dtype"], engine="hf",
             device="cpu", threads=spec.threads or None,
         )
         print(f"[loop] generation dtype: {self.gen_dtype.why}", file=sys.stderr, flush=True)
-        gen_dtype = self.gen_dtype.dtype
-        if gen_dtype is not None:
-            self.gen_model = copy.deepcopy(self.model)
-            for q in self.gen_model.parameters():
-                q.requires_grad_(False)
-                if q.is_floating_point():
-                    q.data = q.data.to(getattr(torch, gen_dtype))
-            mine = dict(self.gen_model.named_parameters())
-            self._gen_pairs = [
-                (q, mine[n]) for n, q in self.model.named_parameters() if q.requires_grad]
+        self.replica: Replica | None = None
+        self.gen_model = self.model
+        if self.gen_dtype.dtype is not None:
+            self.replica = Replica(
+                self.model, device="cpu", version=0, timeout_s=60.0, dtype=self.gen_dtype.dtype)
+            self.gen_model = self.replica.model
         opt = mc["optimizer"]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=opt["lr"], betas=tuple(opt["betas"]), weight_decay=opt["weight_decay"]
@@ -343,10 +337,9 @@ class SyncLoop:
         torch.nn.utils.clip_grad_norm_(self.params, self.spec.model["optimizer"]["max_grad_norm"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for src, dst in self._gen_pairs:
-                dst.copy_(src)
         self.version += 1
+        if self.replica is not None:
+            self.replica.publish(self.version)
         self.out["train_s"].append(time.monotonic() - t0)
         self.out["steps"].append(time.monotonic() - T0)
 

@@ -44,11 +44,13 @@ def test_the_loop_generates_from_a_copy_in_generation_dtype_refreshed_after_each
     for g in groups:  # rewards that differ, so the step moves the weights
         for i, r in enumerate(g):
             r.reward = float(i % 2)
-    before = [src.detach().clone() for src, _ in loop._gen_pairs]
+    served = dict(loop.gen_model.named_parameters())
+    trained = [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
+    before = {n: served[n].detach().clone() for n, _ in trained}
     loop.step(groups)
-    assert any(not torch.equal(b, src) for b, (src, _) in zip(before, loop._gen_pairs))
-    for src, dst in loop._gen_pairs:
-        assert torch.equal(dst, src.detach().to(torch.bfloat16))
+    assert any(not torch.equal(before[n], served[n]) for n, _ in trained)  # refreshed
+    for n, p in trained:  # to the trained weights, cast
+        assert torch.equal(served[n], p.detach().to(torch.bfloat16)), n
 
 
 def test_without_generation_dtype_the_loop_generates_on_the_trained_model() -> None:
@@ -58,7 +60,7 @@ def test_without_generation_dtype_the_loop_generates_on_the_trained_model() -> N
         task=rec.tasks["digits"].model_dump(mode="json"), seconds=60, seed=0, threads=1,
     )
     loop = SyncLoop(spec)
-    assert loop.gen_model is loop.model and not loop._gen_pairs
+    assert loop.gen_model is loop.model and loop.replica is None
 
 
 def test_with_generation_dtype_auto_the_loop_takes_the_engines_pick_on_this_host() -> None:

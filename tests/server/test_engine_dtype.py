@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jetctl.recipe import GenerationConfig, ModelConfig
-from jetctl.server.engines.dtype import BF16_GAIN, probe_matmul, resolve_generation_dtype
+from jetctl.server.engines.dtype import BF16_GAIN, pick_generation_dtype, probe_matmul
 from tests.server.test_engines import serve
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -19,6 +19,16 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 def _cfg(**overrides: Any) -> ModelConfig:
     return ModelConfig(model="builtin:tiny", **overrides)
+
+
+def resolve_generation_dtype(
+    cfg: ModelConfig, model: Any, threads: int, probe: Any = probe_matmul
+) -> Any:
+    """What make_engine asks for a recipe's model."""
+    return pick_generation_dtype(
+        cfg.generation.dtype, model, model_dtype=cfg.dtype, engine=cfg.engine,
+        device=cfg.generation.device or cfg.device, threads=threads, probe=probe,
+    )
 
 
 class _Probe:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jetctl.server.engines.base import Engine, GenRequest, GenResult
-from jetctl.server.engines.dtype import GenerationDtype, resolve_generation_dtype
+from jetctl.server.engines.dtype import GenerationDtype, pick_generation_dtype
 from jetctl.server.locks import WeightsLock
 
 if TYPE_CHECKING:  # the engines import without pydantic (scripts/gpu_check.sh)
@@ -57,7 +57,10 @@ def make_engine(
 
     gen = cfg.generation
     threads = threads or gen.threads
-    dtype = resolve_generation_dtype(cfg, model, threads)
+    dtype = pick_generation_dtype(
+        gen.dtype, model, model_dtype=cfg.dtype, engine=cfg.engine,
+        device=gen.device or cfg.device, threads=threads,
+    )
     # a device or a dtype of its own gives the engine a copy of the weights (a replica)
     if cfg.engine == "hf" and gen.device is None and dtype.dtype is None:
         return ServingEngine(

@@ -11,8 +11,8 @@ bfloat16 where that takes at most `BF16_GAIN` of float32's time. On a CUDA devic
 bfloat16 where the device supports it. It never picks a dtype for engine vllm (vLLM loads the
 model's dtype) or for a model that is not float32.
 
-    resolve_generation_dtype(cfg, model, threads)  ->  GenerationDtype(dtype, why)
-    pick_generation_dtype(asked, model, model_dtype=, engine=, device=)   (the same, by fields)
+    pick_generation_dtype(generation.dtype, model, model_dtype=, engine=, device=, threads=)
+        ->  GenerationDtype(dtype, why)
 
 Left out: float16 (never picked by `auto`; set it by name), and a probe of the whole model
 (the matrix alone decides in under a second; the step's other work follows the same kernels).
@@ -23,12 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from jetctl.recipe import ModelConfig
 
 BF16_GAIN = 0.85  # bfloat16 only where the probe runs in at most this share of float32's time
 PROBE_ROWS = 16  # a decode step's rows (generation.max_batch_size's default)
@@ -62,19 +59,6 @@ def _largest_matrix(model: Any) -> torch.Tensor:
     return max(
         (p for p in model.parameters() if p.dim() == 2 and p.is_floating_point()),
         key=lambda p: p.numel(),
-    )
-
-
-def resolve_generation_dtype(
-    cfg: ModelConfig,
-    model: Any,
-    threads: int | None = None,
-    probe: Callable[[torch.Tensor, torch.dtype], float] = probe_matmul,
-) -> GenerationDtype:
-    """What the engine of `cfg` generates in: `generation.dtype`, `auto` decided on this host."""
-    return pick_generation_dtype(
-        cfg.generation.dtype, model, model_dtype=cfg.dtype, engine=cfg.engine,
-        device=cfg.generation.device or cfg.device, threads=threads, probe=probe,
     )
 
 
