@@ -76,7 +76,7 @@ def test_what_is_set_by_name_is_used_without_a_probe() -> None:
 
 
 def test_auto_on_this_cpu_measures_both_and_the_engine_follows_its_pick() -> None:
-    s = serve("hf", generation=GenerationConfig(dtype="auto"))
+    s = serve("hf")
     cfg = _cfg(generation=GenerationConfig(dtype="auto"))
     got = resolve_generation_dtype(cfg, s.model, 1)
     found = re.search(r"took ([\d.e+-]+) ms in bfloat16 against ([\d.e+-]+) ms in float32", got.why)
@@ -88,13 +88,6 @@ def test_auto_on_this_cpu_measures_both_and_the_engine_follows_its_pick() -> Non
         assert got.dtype == "bfloat16", got.why
     elif bf16 > 0.9 * fp32:
         assert got.dtype is None, got.why
-    # the engine of that recipe generates in what auto picked on this host (its own probe,
-    # moments apart, agrees where the margin is clear: the AVX2-only CPU measured 3-5x)
-    if got.dtype is None and bf16 > 1.5 * fp32:
-        assert s.publish is None, "float32: the engine generates on the trainer's model"
-    if got.dtype == "bfloat16" and bf16 < 0.6 * fp32:
-        replica = s.publish.__self__  # type: ignore[union-attr]
-        assert {p.dtype for p in replica.model.parameters()} == {torch.bfloat16}
 
 
 def test_the_probe_times_a_product_of_the_given_matrix() -> None:
