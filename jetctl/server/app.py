@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jetctl import auth
 from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.journal import STORE_TABLES, Journal
 from jetctl.link import ControlLink, Identity
@@ -34,12 +35,14 @@ from jetctl.recipe import ModelConfig
 from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
+from jetctl.server.checkpoint import CHECKPOINT_KEY, SignedDir
 from jetctl.server.engines import make_engine
 from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
+from jetctl.server.step import load_trainable
 from jetctl.server.store import GroupCodec, TrajectoryStore
-from jetctl.server.trainer import Trainer, load_trainable
+from jetctl.server.trainer import Trainer
 from jetctl.tls import TlsFiles, add_port
 
 log = logging.getLogger("jetctl.server")
@@ -80,7 +83,11 @@ async def serve(opts: ServerOptions) -> int:
     torch.set_num_threads(gen_threads + train_threads)  # loading; each worker sets its own
     paths = RunPaths(opts.run_dir)
     paths.server_dir(opts.name).mkdir(parents=True, exist_ok=True)
-    ckpt_dir = cfg.checkpoint.dir or str(paths.checkpoints(opts.name))  # or a URL
+    # signed with a key of this server's own folder, which no client container mounts
+    ckpt_dir = SignedDir(
+        cfg.checkpoint.dir or str(paths.checkpoints(opts.name)),  # or a URL
+        auth.private_key(paths.server_dir(opts.name) / CHECKPOINT_KEY),
+    )
 
     t0 = time.monotonic()
     check_devices(opts.name, cfg)
@@ -147,7 +154,7 @@ async def serve(opts: ServerOptions) -> int:
     )
 
     limit = cfg.limits.max_message_bytes
-    interceptors = [auth_interceptor(opts.token, service.refuse)]
+    interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name)]
     if faults.configured:  # an interceptor costs every call, even one that does nothing
         interceptors.append(drop_ack_interceptor(faults))
     server = grpc.aio.server(

@@ -11,16 +11,29 @@ previous one as the latest.
   `step-N/`, the manifest last: the manifest is the commit marker, and a `step-N/` without
   one is a torn write, removed at the next restore.
 
+Nothing in a checkpoint is unpickled: `optimizer.pt` is loaded with `torch.load(...,
+weights_only=True)` (tensors, numbers, strings, lists and dicts only), the weights are
+safetensors and the rest JSON. A root given as a `SignedDir` (the server does this, its key in
+its own folder, never in a checkpoint folder nor in any path a client container mounts) also
+signs each manifest: `manifest.json` carries `hmac`, HMAC-SHA256 under the key of the manifest's
+other fields, file digests included. A checkpoint whose manifest is unsigned, wrongly signed,
+or whose file does not match its digest is refused with a `CheckpointRefused` naming the file,
+logged, left where it is (for a look), and the restore falls back to the previous good one.
+
 Left out: retries of a failed remote write (the step fails loudly and the trainer's error
-stops the server, which the controller restarts from the last complete checkpoint).
+stops the server, which the controller restarts from the last complete checkpoint); key
+rotation (a new key refuses every checkpoint the old one signed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
+import logging
 import os
+import pickle
 import posixpath
 import shutil
 import time
@@ -35,8 +48,40 @@ from fsspec.implementations.local import LocalFileSystem
 
 from jetctl.server import weights as W
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+HMAC_FIELD = "hmac"
+CHECKPOINT_KEY = "checkpoint.key"  # in the server's own folder, server-<model>/
+_REQUIRED = ("weights.safetensors", "optimizer.pt", "trainer_state.json")
+
+
+class CheckpointRefused(Exception):
+    """A checkpoint that fails its check: `file` (a path of its filesystem) says which."""
+
+    def __init__(self, file: str, why: str) -> None:
+        super().__init__(f"checkpoint file {file} refused: {why}")
+        self.file = file
+        self.why = why
+
+
+@dataclass(frozen=True)
+class SignedDir(os.PathLike[str]):
+    """A checkpoint root (folder or fsspec URL) whose manifests are signed with `key`.
+
+    It is a path (`os.fspath` gives the root), so whatever holds a checkpoint root holds
+    this instead and `save`/`restore` sign and check; a plain path is unsigned (tests and
+    benchmarks that write their own checkpoints)."""
+
+    root: str
+    key: bytes
+
+    def __fspath__(self) -> str:
+        return self.root
+
+    def __repr__(self) -> str:  # never the key
+        return f"SignedDir({self.root!r})"
 
 
 @dataclass(frozen=True)
@@ -44,6 +89,7 @@ class Restored:
     version: int
     path: str  # the checkpoint's directory, as a path of its filesystem
     trainer_state: dict[str, Any]
+    refused: tuple[CheckpointRefused, ...] = ()  # newer checkpoints passed over, newest first
 
 
 class _Root:
@@ -99,10 +145,12 @@ def save(
     }
     if payload.adapter_config_json:
         files["adapter_config.json"] = payload.adapter_config_json.encode()
-    manifest = {
+    manifest: dict[str, Any] = {
         "version": version, "kind": payload.kind, "time": time.time(),
         "files": {name: _sha256(data) for name, data in sorted(files.items())},
     }
+    if isinstance(root, SignedDir):
+        manifest[HMAC_FIELD] = _mac(root.key, manifest)
     name = f"step-{version:08d}"
     if target.local:
         final = Path(target.join(name))
@@ -131,55 +179,121 @@ def save(
     return target.join(name)
 
 
-def _complete(target: _Root, name: str) -> bool:
-    if name.endswith(PARTIAL):
-        return False
+def _mac(key: bytes, manifest: dict[str, Any]) -> str:
+    """HMAC-SHA256 of the manifest's fields but `hmac`, in one canonical JSON form."""
+    body = {k: v for k, v in manifest.items() if k != HMAC_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def verify(target: _Root, name: str, key: bytes | None) -> dict[str, Any]:
+    """The manifest of checkpoint `name` once its signature (with `key`) and every file's
+    digest hold; raises CheckpointRefused naming the file that does not."""
+    path = target.join(name, MANIFEST)
     try:
-        manifest = json.loads(target.fs.cat_file(target.join(name, MANIFEST)))
-        return all(
-            _sha256(target.fs.cat_file(target.join(name, file))) == digest
-            for file, digest in manifest["files"].items()
-        )
-    except (OSError, ValueError, KeyError):  # FileNotFoundError: no manifest yet
-        return False
+        manifest = json.loads(target.fs.cat_file(path))
+        files = dict(manifest["files"])
+    except FileNotFoundError:
+        raise CheckpointRefused(path, "missing (a torn write)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointRefused(path, f"unreadable ({e})") from None
+    if key is not None:
+        got = manifest.get(HMAC_FIELD)
+        if not isinstance(got, str):
+            raise CheckpointRefused(path, "not signed (this server signs every checkpoint)")
+        if not hmac.compare_digest(got, _mac(key, manifest)):
+            raise CheckpointRefused(path, "its signature does not match: it was changed, "
+                                    "or signed with another server's key")
+    if set(files) != set(_REQUIRED) | (set(files) & {"adapter_config.json"}):
+        raise CheckpointRefused(path, f"lists files {sorted(files)}, not {sorted(_REQUIRED)}")
+    for file, digest in files.items():
+        file_path = target.join(name, file)
+        try:
+            data = target.fs.cat_file(file_path)
+        except OSError as e:
+            raise CheckpointRefused(file_path, f"unreadable ({e})") from None
+        if _sha256(data) != digest:
+            raise CheckpointRefused(file_path, "its sha256 differs from the manifest's: "
+                                    "it was changed after the checkpoint was written")
+    return dict(manifest)
+
+
+def _key(root: str | os.PathLike[str]) -> bytes | None:
+    return root.key if isinstance(root, SignedDir) else None
+
+
+def _candidates(root: str | os.PathLike[str]) -> list[str]:
+    """Names of the checkpoints that may be complete, newest first."""
+    return [n for n in reversed(_Root(root).steps()) if not n.endswith(PARTIAL)]
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
-    """The newest complete checkpoint under root, as a path of its filesystem."""
+    """The newest checkpoint under root that passes `verify`, as a path of its filesystem."""
     target = _Root(root)
-    for name in reversed(target.steps()):
-        if _complete(target, name):
-            return target.join(name)
+    for name in _candidates(root):
+        try:
+            verify(target, name, _key(root))
+        except CheckpointRefused:
+            continue
+        return target.join(name)
     return None
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    torch_rng: torch.Tensor
+    trainer_state: dict[str, Any]
+
+
+def _load(target: _Root, name: str, key: bytes | None) -> _Loaded:
+    """Checkpoint `name` read and checked, nothing applied yet; raises CheckpointRefused."""
+    manifest = verify(target, name, key)
+    fs, folder = target.fs, target.join(name)
+    weights = W.decode(fs.cat_file(posixpath.join(folder, "weights.safetensors")),
+                       manifest["files"]["weights.safetensors"])
+    opt_path = posixpath.join(folder, "optimizer.pt")
+    try:
+        # saved on a GPU, resumed anywhere: load onto the CPU, and the optimizer moves each
+        # state tensor to its parameter's device. weights_only: tensors and plain containers
+        # only, a pickled callable is refused rather than called
+        opt = torch.load(io.BytesIO(fs.cat_file(opt_path)), map_location="cpu",
+                         weights_only=True)
+        state = json.loads(fs.cat_file(posixpath.join(folder, "trainer_state.json")))
+        return _Loaded(weights, opt["optimizer"], opt["torch_rng"], state)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointRefused(opt_path, f"does not load as plain state ({e})") from None
 
 
 def restore(
     root: str | os.PathLike[str], model: Any, optimizer: torch.optim.Optimizer
 ) -> Restored | None:
+    """Load the newest checkpoint that passes its checks into `model` and `optimizer`; the
+    newer ones refused are logged (naming the file) and listed in `Restored.refused`."""
     target = _Root(root)
     # a crash mid-checkpoint leaves step-N.partial/ (local) or a step-N/ without a manifest
     # (remote): never complete, never loaded, removed here
     for name in target.steps():
         if name.endswith(PARTIAL) or not target.fs.exists(target.join(name, MANIFEST)):
             target.remove(name)
-    found = latest(root)
-    if found is None:
-        return None
-    fs = target.fs
-    manifest = json.loads(fs.cat_file(posixpath.join(found, MANIFEST)))
-    state = W.decode(
-        fs.cat_file(posixpath.join(found, "weights.safetensors")),
-        manifest["files"]["weights.safetensors"],
-    )
-    W.load_trainable_state(model, state)
-    # saved on a GPU, resumed anywhere: load onto the CPU, and the optimizer moves each
-    # state tensor to its parameter's device
-    opt = torch.load(io.BytesIO(fs.cat_file(posixpath.join(found, "optimizer.pt"))),
-                     map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
-    torch.set_rng_state(opt["torch_rng"])
-    trainer_state = json.loads(fs.cat_file(posixpath.join(found, "trainer_state.json")))
-    return Restored(int(trainer_state["version"]), found, trainer_state)
+    refused: list[CheckpointRefused] = []
+    for name in _candidates(root):
+        try:
+            loaded = _load(target, name, _key(root))
+        except CheckpointRefused as e:
+            log.error("%s; falling back to the checkpoint before it", e)
+            refused.append(e)
+            continue
+        W.load_trainable_state(model, loaded.weights)
+        optimizer.load_state_dict(loaded.optimizer)
+        torch.set_rng_state(loaded.torch_rng)
+        version = int(loaded.trainer_state["version"])
+        return Restored(version, target.join(name), loaded.trainer_state, tuple(refused))
+    if refused:
+        log.error("no checkpoint under %s passes its checks: starting from the base model",
+                  target.path)
+    return None
 
 
 def _prune(target: _Root, keep: int) -> None:

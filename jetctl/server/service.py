@@ -9,7 +9,6 @@ server options (RESOURCE_EXHAUSTED before anything is buffered whole).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from jetctl.auth import METADATA_KEY
+from jetctl.auth import metadata_principal
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_payloads, packed_groups
 from jetctl.server.admission import Limits, check_generate, check_groups
@@ -324,9 +323,13 @@ def _packed_views(raw: bytes, n_groups: int) -> list[Any]:
     return views if len(views) == n_groups else [None] * n_groups
 
 
-def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.ServerInterceptor:
-    """Require `authorization: Bearer <token>` on every call but health and reflection."""
-    expected = f"Bearer {token}".encode()
+def auth_interceptor(
+    token: str, on_refuse: Callable[[str], None], model: str | None = None
+) -> grpc.aio.ServerInterceptor:
+    """Require a valid token of the run on every call but health and reflection: the run
+    token for any call, a node credential (jetctl.auth) for the client calls of `model`
+    only. A wrong token is UNAUTHENTICATED, a node's call outside its scope
+    PERMISSION_DENIED; both are counted (`refused_calls`)."""
     open_prefixes = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     class _Auth(grpc.aio.ServerInterceptor):
@@ -337,28 +340,28 @@ def auth_interceptor(token: str, on_refuse: Callable[[str], None]) -> grpc.aio.S
         ) -> grpc.RpcMethodHandler:
             if details.method.startswith(open_prefixes):
                 return await continuation(details)
-            got = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
-            # constant time: how long a refusal takes says nothing about the token
-            if hmac.compare_digest(_as_bytes(got), expected):
-                return await continuation(details)
-            on_refuse("unauthenticated")
-            return _deny(details.method)
+            who = metadata_principal(details.invocation_metadata, token)
+            if who is None:
+                on_refuse("unauthenticated")
+                return _deny(details.method)
+            if not who.may_call(details.method, model if model is not None else ""):
+                on_refuse("permission_denied")
+                return _deny(details.method, grpc.StatusCode.PERMISSION_DENIED,
+                             f"node {who.node}'s credential does not allow {details.method}")
+            return await continuation(details)
 
     return _Auth()
 
 
-def _as_bytes(value: str | bytes) -> bytes:
-    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
-
-
-def _deny(method: str) -> grpc.RpcMethodHandler:
-    msg = "missing or wrong bearer token (see <run dir>/token)"
-
+def _deny(
+    method: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+    msg: str = "missing or wrong bearer token (see <run dir>/token)",
+) -> grpc.RpcMethodHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        await context.abort(code, msg)
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        await context.abort(code, msg)
         yield  # pragma: no cover
 
     if method.endswith(("SubmitStream",)):
