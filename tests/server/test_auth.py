@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from jetctl.server import service
+from jetctl import auth
 from jetctl.server.service import auth_interceptor
 
 pytestmark = pytest.mark.unit
@@ -57,9 +57,33 @@ def test_the_token_passes_and_is_compared_in_constant_time(
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(service.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
     refused: list[str] = []
     assert handler_for((("authorization", "Bearer s3cret"),), refused) is ALLOWED
     assert handler_for((("authorization", "Bearer wrong!"),), refused) is not ALLOWED
     assert compared == [(b"Bearer s3cret", b"Bearer s3cret"), (b"Bearer wrong!", b"Bearer s3cret")]
     assert refused == ["unauthenticated"]
+
+
+def test_a_node_credential_passes_only_client_calls_of_its_models() -> None:
+    """The credential the controller gives a client node: Submit to its model's server, not
+    Status (an admin call), nor another model's server; a forged one is not a token at all."""
+    cred = auth.node_credential("s3cret", "arith-0", ["policy"])
+
+    def call(method: str, model: str, token: str) -> tuple[bool, list[str]]:
+        refused: list[str] = []
+        interceptor = auth_interceptor("s3cret", refused.append, model=model)
+
+        async def continuation(_details: Any) -> grpc.RpcMethodHandler:
+            return ALLOWED
+
+        details = Details(f"/jetctl.swarm.v1.Swarm/{method}", (("authorization", f"Bearer {token}"),))
+        return asyncio.run(interceptor.intercept_service(continuation, details)) is ALLOWED, refused
+
+    assert call("Submit", "policy", cred) == (True, [])
+    assert call("PullWeights", "policy", cred) == (True, [])
+    assert call("Status", "policy", cred) == (False, ["permission_denied"])
+    assert call("Submit", "critic", cred) == (False, ["permission_denied"])
+    forged = auth.node_credential("not-the-run-token", "arith-0", ["policy"])
+    assert call("Submit", "policy", forged) == (False, ["unauthenticated"])
+    assert call("Status", "policy", "s3cret") == (True, []), "the run token is the admin's"
