@@ -3,6 +3,7 @@ of this host to advertise to peers on other hosts."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 WILDCARDS = ("0.0.0.0", "", "::")
@@ -43,3 +44,15 @@ def advertised_host(bind: str, advertise: str | None, peer: str = "") -> str:
     if bind not in WILDCARDS:
         return bind
     return route_address(peer) if peer else "127.0.0.1"
+
+
+# addresses a server binds besides its own host: the gateway of the run's docker network,
+# so that client containers reach it there (the controller sets it, runtimes/docker.py)
+LISTEN_ALSO_ENV = "JETCTL_LISTEN_ALSO"
+
+
+def listen_also(bind: str) -> list[str]:
+    """The extra addresses `LISTEN_ALSO_ENV` names, none when `bind` is a wildcard already."""
+    if bind in WILDCARDS:
+        return []
+    return [h for h in os.environ.get(LISTEN_ALSO_ENV, "").split(",") if h and h != bind]

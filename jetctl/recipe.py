@@ -539,6 +539,13 @@ class TaskConfig(_Strict):
         "docker), so the env can start sibling containers, e.g. the code env's "
         "`backend: docker` sandbox; it gives the node control of the host's docker engine",
     )
+    network: Literal["isolated", "host"] = Field(
+        default="isolated",
+        description="the nodes' network (runtime: docker). isolated: a docker network of the "
+        "run's own, no route out, from which only the controller and this host's servers "
+        "are reached (they also listen on its gateway address); host: the host's network, "
+        "every address this host reaches (logged as a warning)",
+    )
     inference: Literal["server", "local"] = Field(
         default="server",
         description="server: generate on the model's server; local: on the client with "
@@ -639,6 +646,14 @@ class TaskConfig(_Strict):
                     getattr(self.resources, key),
                     f"only applies to runtime: {'ray' if key in ray_only else 'docker'} "
                     f"(this task runs as {self.runtime}): remove it or change runtime",
+                )
+            )
+        if self.network != "isolated" and self.runtime != "docker":
+            problems.append(
+                Problem(
+                    ("network",), self.network,
+                    f"only applies to runtime: docker (this task runs as {self.runtime}): "
+                    "remove it or set runtime: docker",
                 )
             )
         if self.docker_socket and self.runtime != "docker":

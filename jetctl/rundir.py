@@ -164,8 +164,19 @@ class RunPaths:
         return self.spool_dir / f"{node}.sqlite"
 
     def spools(self) -> dict[str, Path]:
-        """node -> spool of every client node that ever ran in this dir."""
-        return {p.stem: p for p in sorted(self.spool_dir.glob("*.sqlite"))}
+        """node -> spool of every client node that ever ran in this dir (a container's in
+        its own folder)."""
+        found = [*self.spool_dir.glob("*.sqlite"), *self.containers.glob("*/spool/*.sqlite")]
+        return {p.stem: p for p in sorted(found)}
+
+    @property
+    def containers(self) -> Path:
+        return self.root / "containers"
+
+    def container_spool(self, node: str) -> Path:
+        """The folder a client container (runtime: docker) sees as `spool/`: its own only,
+        so it never reads or rewrites another node's spool."""
+        return self.containers / node / "spool"
 
     def rollouts(self, node: str) -> Path:
         """`node`'s live rollouts (pid, start time): a restart kills what a killed

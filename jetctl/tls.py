@@ -139,9 +139,12 @@ def tls_files(cfg: TlsConfig, run_dir: Path) -> TlsFiles | None:
     return TlsFiles(mode=cfg.mode, dir=folder.resolve())
 
 
-def prepare_run_tls(recipe: Recipe, run_dir: Path) -> TlsFiles | None:
+def prepare_run_tls(
+    recipe: Recipe, run_dir: Path, extra_hosts: Iterable[str] = ()
+) -> TlsFiles | None:
     """What `jetctl up` does: make the run's certificates when the recipe asks for them and
-    names no `cert_dir` (kept across `--resume`), or check the user's files."""
+    names no `cert_dir` (kept across `--resume`), or check the user's files. `extra_hosts`:
+    more names the servers are dialled at (the run's docker network gateway)."""
     files = tls_files(recipe.run.tls, run_dir)
     if files is None:
         return None
@@ -152,7 +155,8 @@ def prepare_run_tls(recipe: Recipe, run_dir: Path) -> TlsFiles | None:
         control = recipe.run.control
         hosts = [*recipe.run.tls.hosts, *(m.host for m in recipe.models.values()),
                  *(m.advertise for m in recipe.models.values() if m.advertise),
-                 control.host, *([control.advertise] if control.advertise else [])]
+                 control.host, *([control.advertise] if control.advertise else []),
+                 *extra_hosts]
         generate_run_certs(files.dir, hosts)
     files.check("server")
     files.check("client")

@@ -101,6 +101,7 @@ class Controller:
         self.opts = options or ControllerOptions()
         self.token = ""
         self.stop_reason = ""
+        self.refused_calls: dict[str, int] = {}  # Control calls refused, by reason (service.py)
 
         self._stop = threading.Event()
         self._kill_now = threading.Event()
@@ -130,6 +131,10 @@ class Controller:
     def hub(self) -> Hub:
         assert self._hub is not None, "setup() first"
         return self._hub
+
+    def revoked(self, node: str) -> bool:
+        """Whether `node`'s credential is revoked: a swap drained it out of the run."""
+        return node in self.state.retired
 
     @property
     def endpoint(self) -> str:
@@ -169,7 +174,11 @@ class Controller:
         self.token = resolve_token(self.paths, self.recipe.run.token, create=True)
         self.reconciler.token = self.token
         try:
-            self.state.tls = prepare_run_tls(self.recipe, self.run_dir)
+            # the run's docker network gateway: where client containers dial
+            gateway = self.reconciler.container_gateway()
+            self.state.tls = prepare_run_tls(
+                self.recipe, self.run_dir, extra_hosts=[gateway] if gateway else []
+            )
         except TlsError as e:
             raise RunDirError(str(e)) from None
         self.reconciler.build_nodes(prior_ports)
@@ -246,8 +255,10 @@ class Controller:
         wanted = [cfg.port] if cfg.port else [p for p in (prior_port,) if p] + [0]
         port = 0
         for want in wanted:
+            gateway = self.reconciler.container_gateway()
             self._grpc, port = serve_control(
-                self, self.token, host=cfg.host, tls=self.state.tls, port=want
+                self, self.token, host=cfg.host, tls=self.state.tls, port=want,
+                also=[gateway] if gateway else [],
             )
             if port:
                 break

@@ -7,9 +7,12 @@ controller since its start; a task's clients start once their model's server was
 Nodes the controller does not start (a client that joined by hand, a server with runtime:
 external) are followed through their syncs only.
 
-Every node it starts gets the controller's address, the token and the TLS mode in its
+Every node it starts gets the controller's address, a token and the TLS mode in its
 environment (`JETCTL_CONTROL`, `JETCTL_TOKEN`, `JETCTL_TLS_MODE`, `JETCTL_TLS_DIR`) and
-joins like a node on another host would: nothing else of the run dir is read by a node.
+joins like a node on another host would: nothing else of the run dir is read by a node. A
+server gets the run token; a client node its own credential (jetctl.auth: client calls of
+its task's models only). A client container on the run's network dials the controller and
+its servers at the network's gateway (`JETCTL_ENDPOINT_OVERRIDE`), where they also listen.
 `probe_loop` (its own thread) asks each server for health and `Status`. `drain_nodes` is the
 SIGTERM-wait-SIGKILL that `down`, the end of a run and a swap share.
 
@@ -29,8 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from jetctl import auth
 from jetctl.controller.runtimes.base import (
     ContainerSpec,
+    Mount,
     NodeHandle,
     NodeKind,
     NodeSpec,
@@ -46,8 +51,9 @@ from jetctl.controller.state import (
     client_node_name,
     server_node_name,
 )
+from jetctl.faults import ENDPOINT_OVERRIDE_ENV
 from jetctl.link import CONTROL_ENV
-from jetctl.net import connect_host, free_port
+from jetctl.net import LISTEN_ALSO_ENV, connect_host, free_port
 from jetctl.recipe import byte_size
 from jetctl.rundir import TOKEN_ENV, RunDirError, RunPaths
 from jetctl.tls import TLS_DIR_ENV, TLS_MODE_ENV
@@ -59,6 +65,12 @@ CONTAINER_PREFIX = ("jetctl",)
 # the commands a Ray actor runs: its own interpreter (runtimes/ray.py swaps it in)
 RAY_PREFIX = ("python", "-m", "jetctl.cli.main")
 DEFAULT_IMAGE = "jetctl-base"
+# where a client container on the run's network finds its TLS files (mounted read-only)
+CONTAINER_TLS_DIR = Path("/run/jetctl/tls")
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 @dataclass(frozen=True)
@@ -289,17 +301,38 @@ class Reconciler:
             task=node.task,
             index=node.index,
             revision=node.revision,
-            env=self.node_env(remote=node.runtime == "ray", kind=node.kind),
+            env=self.env(node),
             labels=dict(node.labels),
             container=self.container_spec(node) if node.runtime == "docker" else None,
             placement=self.placement(node) if node.runtime == "ray" else None,
         )
 
+    def env(self, node: Node) -> dict[str, str]:
+        """`node_env` with the node's own credential (a client), and for a client container on
+        the run's network the addresses it dials there and its TLS files' mount."""
+        env = self.node_env(remote=node.runtime == "ray", kind=node.kind)
+        if node.kind == "client":
+            env[TOKEN_ENV] = auth.node_credential(self.token, node.name, self._models(node))
+        if node.runtime == "docker" and self._isolated(node):
+            gateway = self.container_gateway()
+            assert gateway is not None, "an isolated docker task without the docker runtime"
+            env[CONTROL_ENV] = f"{gateway}:{_port(self.control)}"
+            env[ENDPOINT_OVERRIDE_ENV] = ",".join(
+                f"{m}={gateway}:{port}" for m, port in self._server_ports(node).items()
+            )
+            if self.state.tls is not None:
+                env[TLS_DIR_ENV] = str(CONTAINER_TLS_DIR)
+        return env
+
     def node_env(self, remote: bool = False, kind: NodeKind = "client") -> dict[str, str]:
         """What a node needs to join: the controller's address (as this host dials it, or
-        as others do), the token, the TLS files (on another host: the text of those its
-        side reads; a server dials the controller too)."""
+        as others do), the run token, the TLS files (on another host: the text of those its
+        side reads; a server dials the controller too), and for a server on this host the
+        run's docker network gateway to listen on too."""
         env = {CONTROL_ENV: self.state.endpoint if remote else self.control, TOKEN_ENV: self.token}
+        gateway = self.container_gateway()
+        if kind == "server" and not remote and gateway is not None:
+            env[LISTEN_ALSO_ENV] = gateway
         tls = self.state.tls
         if tls is not None:
             env[TLS_MODE_ENV] = tls.mode
@@ -312,6 +345,35 @@ class Reconciler:
             else:
                 env[TLS_DIR_ENV] = str(tls.dir)
         return env
+
+    def container_gateway(self) -> str | None:
+        """This host's address on the run's docker network, when a task runs isolated there."""
+        if not any(
+            c.runtime == "docker" and c.network == "isolated" for c in self.recipe.tasks.values()
+        ):
+            return None
+        network = getattr(self.runtimes.get("docker"), "network", None)
+        return str(network().gateway) if network is not None else None
+
+    def _isolated(self, node: Node) -> bool:
+        return self.recipe.tasks[node.task].network == "isolated"
+
+    def _models(self, node: Node) -> list[str]:
+        task = self.recipe.tasks.get(node.task)
+        return list(task.models) if task is not None else [node.model]
+
+    def _server_ports(self, node: Node) -> dict[str, int]:
+        """model -> port of its server on this host, for each model the node's task trains
+        (a server on another host is not reached from the run's network: logged)."""
+        ports: dict[str, int] = {}
+        for model in self._models(node):
+            server = self.state.nodes.get(server_node_name(model))
+            if server is None or not server.managed or not server.port:
+                log.warning("%s: the server of %s is not on this host, so the run's docker "
+                            "network does not reach it: use network: host", node.name, model)
+                continue
+            ports[model] = server.port
+        return ports
 
     def _ray_work_dir(self) -> str:
         work_dir = getattr(self.runtimes.get("ray"), "work_dir", None)
@@ -340,11 +402,20 @@ class Reconciler:
         )
 
     def container_spec(self, node: Node) -> ContainerSpec:
-        res = self.recipe.tasks[node.task].resources
-        mounts: list[tuple[Path, bool]] = []
+        """The node's image and limits; what it mounts besides its own spool and log: the
+        TLS files a client presents, read-only (never a key of the server or the CA); the
+        ports of this host it dials (opened to the run's network, nothing else)."""
+        task = self.recipe.tasks[node.task]
+        res = task.resources
+        mounts: list[Mount] = []
         tls = self.state.tls
-        if tls is not None and not tls.dir.resolve().is_relative_to(self.paths.root):
-            mounts.append((tls.dir.resolve(), True))
+        if tls is not None:
+            for path in tls.needed("client"):
+                target = CONTAINER_TLS_DIR / path.name if self._isolated(node) else path
+                mounts.append(Mount(path.resolve(), read_only=True, target=target))
+        reach: tuple[int, ...] = ()
+        if task.network == "isolated":
+            reach = (_port(self.control), *self._server_ports(node).values())
         return ContainerSpec(
             image=node.image or DEFAULT_IMAGE,
             cpus=res.cpus,
@@ -352,7 +423,10 @@ class Reconciler:
             pids=res.pids,
             shm=res.shm,
             mounts=tuple(mounts),
-            docker_socket=self.recipe.tasks[node.task].docker_socket,
+            spool=self.paths.container_spool(node.name),
+            docker_socket=task.docker_socket,
+            network=task.network,
+            reach=reach,
         )
 
     # -- the loop -------------------------------------------------------------------------

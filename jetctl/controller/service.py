@@ -7,8 +7,8 @@ The servicer is thin: it hands each request to the `Controller` (and the nodes' 
 
 from __future__ import annotations
 
-import hmac
 import json
+import logging
 from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jetctl import auth
+from jetctl.net import WILDCARDS
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cgrpc
 from jetctl.proto._gen import swarm_pb2 as spb
@@ -27,34 +28,62 @@ from jetctl.tls import TlsFiles, add_port, channel
 if TYPE_CHECKING:
     from jetctl.controller.controller import Controller
 
+log = logging.getLogger("jetctl.controller")
+
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without `authorization: Bearer <run token>` (UNAUTHENTICATED)."""
+    """Refuses every call without a valid token of the run (UNAUTHENTICATED): the run token
+    may call anything; a node credential (jetctl.auth) only Join and Sync, and not once the
+    node is `revoked` (PERMISSION_DENIED). Each refusal is counted in `refused` by reason."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str, revoked: Callable[[str], bool] = lambda _node: False) -> None:
+        self._token = token
+        self._revoked = revoked
+        self.refused: dict[str, int] = {}
+
+    def _deny(self, code: grpc.StatusCode, reason: str, message: str) -> grpc.RpcMethodHandler:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        log.warning("refused a control call: %s", message)
 
         def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+            context.abort(code, message)
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
-            if key == auth.METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(handler_call_details)
-        return self._deny
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        metadata = handler_call_details.invocation_metadata  # type: ignore[attr-defined]
+        who = auth.metadata_principal(metadata, self._token)
+        if who is None:
+            return self._deny(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                              "missing or wrong run token")
+        if not who.may_call(method):
+            return self._deny(grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+                              f"node {who.node}'s credential does not allow {method}")
+        if who.node is not None and self._revoked(who.node):
+            return self._deny(grpc.StatusCode.PERMISSION_DENIED, "revoked",
+                              f"node {who.node}'s credential was revoked (it left the run)")
+        return continuation(handler_call_details)
 
 
 class ControlServicer(cgrpc.ControlServicer):
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, interceptor: TokenInterceptor) -> None:
         self._c = controller
+        self._interceptor = interceptor
+
+    def _own_name_only(self, context: grpc.ServicerContext, name: str) -> None:
+        """A node credential joins and syncs as its own node only (counted when not)."""
+        who = auth.metadata_principal(context.invocation_metadata(), self._c.token)
+        if who is not None and who.node is not None and who.node != name:
+            refused = self._interceptor.refused
+            refused["permission_denied"] = refused.get("permission_denied", 0) + 1
+            log.warning("refused: node %s's credential used to join or sync as %r", who.node, name)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"node {who.node}'s credential cannot join or sync as {name!r}")
 
     def Status(self, request: cpb.RunStatusRequest, context: grpc.ServicerContext) -> cpb.RunStatusReply:
         return self._c.status()
@@ -81,6 +110,7 @@ class ControlServicer(cgrpc.ControlServicer):
     def Join(self, request: cpb.JoinRequest, context: grpc.ServicerContext) -> cpb.JoinReply:
         from jetctl.controller.hub import Refusal
 
+        self._own_name_only(context, request.name)
         try:
             return self._c.hub.join(request)
         except Refusal as e:
@@ -88,6 +118,7 @@ class ControlServicer(cgrpc.ControlServicer):
             raise AssertionError("unreachable: abort raises") from None
 
     def Sync(self, request: cpb.SyncRequest, context: grpc.ServicerContext) -> cpb.SyncReply:
+        self._own_name_only(context, request.name)
         return self._c.hub.sync(request)
 
     def Scale(self, request: cpb.ScaleRequest, context: grpc.ServicerContext) -> cpb.ScaleReply:
@@ -102,13 +133,16 @@ class ControlServicer(cgrpc.ControlServicer):
 
 def serve_control(
     controller: Controller, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None,
-    port: int = 0,
+    port: int = 0, also: list[str] | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start the Control service on `host:port` (0: a free port; TLS when the run uses it);
+    """Start the Control service on `host:port` (0: a free port; TLS when the run uses it),
+    and on the same port of each address in `also` (the run's docker network gateway);
     returns (server, port), port 0 when it could not bind."""
+    interceptor = TokenInterceptor(token, revoked=controller.revoked)
+    controller.refused_calls = interceptor.refused
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="control"),
-        interceptors=[TokenInterceptor(token)],
+        interceptors=[interceptor],
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
@@ -118,14 +152,22 @@ def serve_control(
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    cgrpc.add_ControlServicer_to_server(ControlServicer(controller), server)
+    cgrpc.add_ControlServicer_to_server(ControlServicer(controller, interceptor), server)
     try:
         bound = add_port(server, f"{host}:{port}", tls)
+        for extra in listen_also_hosts(host, also or []):
+            if bound and not add_port(server, f"{extra}:{bound}", tls):
+                bound = 0
     except RuntimeError:  # grpc raises when the address is taken
         bound = 0
     if bound:
         server.start()
     return server, bound
+
+
+def listen_also_hosts(host: str, also: list[str]) -> list[str]:
+    """`also`, less `host` itself, and none when `host` is a wildcard bind already."""
+    return [] if host in WILDCARDS else [a for a in also if a != host]
 
 
 # The probe's channel exists before its server listens (the server loads its model first,

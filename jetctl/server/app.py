@@ -30,7 +30,7 @@ from jetctl import auth
 from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.journal import STORE_TABLES, Journal
 from jetctl.link import ControlLink, Identity
-from jetctl.net import advertised_host
+from jetctl.net import LISTEN_ALSO_ENV, advertised_host, listen_also
 from jetctl.recipe import ModelConfig
 from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
@@ -181,6 +181,9 @@ async def serve(opts: ServerOptions) -> int:
     port = add_port(server, f"{cfg.host}:{opts.port}", opts.tls)
     if port == 0:
         raise SystemExit(f"cannot bind {cfg.host}:{opts.port}")
+    for also in listen_also(cfg.host):  # the run's docker network (runtimes/docker.py)
+        if not add_port(server, f"{also}:{port}", opts.tls):
+            raise SystemExit(f"cannot bind {also}:{port} ({LISTEN_ALSO_ENV})")
     await server.start()
     engine.start()
 

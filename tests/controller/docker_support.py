@@ -45,3 +45,11 @@ def containers_of(client: Any, run_dir: Any, all_: bool = True) -> list[Any]:
         all=all_, filters={"label": [f"jetctl.run_dir={run_dir.resolve()}"]}
     )
     return found
+
+
+def networks_of(client: Any, run_dir: Any) -> list[Any]:
+    """The run's docker networks (runtimes/docker.py makes one per run dir)."""
+    found: list[Any] = client.networks.list(
+        filters={"label": [f"jetctl.run_dir={run_dir.resolve()}"]}
+    )
+    return found

@@ -1,8 +1,10 @@
-"""The docker runtime on a real engine: labels, limits, restarts, cleanup, adoption, swap.
+"""The docker runtime on a real engine: labels, limits, isolation, restarts, cleanup,
+adoption, swap.
 
-Client nodes are fake_node.py (copied into the run dir, which every container mounts) run
-by the image's Python; the server is a fake process. Needs dockerd and `jetctl-base`
-(`scripts/ci-services.sh`).
+Client nodes are fake_node.py (mounted read-only into every container with the runtime's
+`extra_mounts`, as is the events log it appends to) run by the image's Python; the server
+is a fake process. Needs dockerd and `jetctl-base` (`scripts/ci-services.sh`). What a hostile
+node cannot do is tests/security/test_hostile_client.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 
 from jetctl.controller.controller import Controller, JetctlCommands
-from jetctl.controller.runtimes.base import ContainerSpec, NodeSpec
+from jetctl.controller.runtimes.base import ContainerSpec, Mount, NodeSpec
 from jetctl.rundir import RunDirError
 from tests.controller.controller_fakes import (
     FAKE_NODE,
@@ -31,7 +33,12 @@ from tests.controller.controller_fakes import (
     wait_for,
     write_recipe,
 )
-from tests.controller.docker_support import BASE_IMAGE, containers_of, docker_or_skip
+from tests.controller.docker_support import (
+    BASE_IMAGE,
+    containers_of,
+    docker_or_skip,
+    networks_of,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
 
@@ -44,6 +51,8 @@ def docker_client(run_dir: Path) -> Iterator[Any]:
     yield client
     for c in containers_of(client, run_dir):  # whatever a failing test left
         c.remove(force=True)
+    for n in networks_of(client, run_dir):
+        n.remove()
 
 
 def docker_recipe(clients: int = 2, image: str = BASE_IMAGE) -> dict[str, Any]:
@@ -54,18 +63,25 @@ def docker_recipe(clients: int = 2, image: str = BASE_IMAGE) -> dict[str, Any]:
 
 def docker_controller(tmp_path: Path, run_dir: Path, data: dict[str, Any], **kw: Any) -> Controller:
     """A controller whose servers are fake processes and whose clients are fake nodes in
-    containers (fake_node.py sits in the run dir, which the containers mount)."""
+    containers (fake_node.py and the events log mounted into each by the runtime)."""
+    from jetctl.controller.runtimes.docker import DockerRuntime
+
     recipe, path = write_recipe(tmp_path, data)
     run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(FAKE_NODE, run_dir / "fake_node.py")
-    inside = JetctlCommands(
-        path, run_dir.resolve(), prefix=("python", str(run_dir.resolve() / "fake_node.py"))
-    )
+    code = tmp_path / "fake"
+    code.mkdir(exist_ok=True)
+    shutil.copy(FAKE_NODE, code / "fake_node.py")
+    log = run_dir.resolve() / "fake_events.log"
+    log.touch()
+    log.chmod(0o666)  # the containers' user is not the test's
+    runtime = DockerRuntime(run_dir, extra_mounts=(Mount(code), Mount(log, read_only=False)))
+    inside = JetctlCommands(path, run_dir.resolve(), prefix=("python", str(code / "fake_node.py")))
     return Controller(
         recipe,
         path,
         run_dir=run_dir,
         commands=fake_commands(path, run_dir),
+        runtimes={"docker": runtime},
         container_commands=inside,
         options=FAST,
         **kw,
@@ -100,11 +116,23 @@ def test_a_container_is_labelled_limited_and_logged(docker_client: Any, run_dir:
     host = c.attrs["HostConfig"]
     assert host["NanoCpus"] == 500_000_000 and host["Memory"] == 256 * 2**20
     assert host["PidsLimit"] == 64 and host["ShmSize"] == 128 * 2**20
-    assert host["NetworkMode"] == "host"
-    assert any(m["Source"] == str(run_dir.resolve()) == m["Destination"] for m in c.attrs["Mounts"])
-    wait_for(
-        lambda: "up " in (run_dir / "logs" / "arith-0.log").read_text(), what="the node's log line"
+    # isolated: the run's own network, no capability, no new privileges, read-only root
+    assert host["NetworkMode"] == rt.network().name != "host"
+    assert host["CapDrop"] == ["ALL"] and host["SecurityOpt"] == ["no-new-privileges"]
+    assert host["ReadonlyRootfs"] is True and "size=256m" in host["Tmpfs"]["/tmp"]
+    # it mounts what the node owns and nothing else of the run dir
+    root = run_dir.resolve()
+    mounts = {m["Destination"]: (m["Source"], m["RW"]) for m in c.attrs["Mounts"]}
+    assert mounts == {
+        str(root / "spool"): (str(root / "containers" / "arith-0" / "spool"), True),
+        str(root / "logs" / "arith-0.log"): (str(root / "logs" / "arith-0.log"), True),
+    }
+    line = wait_for(
+        lambda: [x for x in (run_dir / "logs" / "arith-0.log").read_text().splitlines()
+                 if x.startswith("up ")],
+        what="the node's log line",
     )
+    assert line[0] != "up 0", "not root inside"
     assert [x.container_id for x in rt.list("t")] == [h.container_id]
 
     rt.terminate(h)  # tini forwards SIGTERM; python without a handler exits on it

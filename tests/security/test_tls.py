@@ -72,6 +72,13 @@ def test_up_makes_certificates_once_and_checks_user_files(tmp_path: Path) -> Non
 
 
 class _FakeController:
+    def __init__(self) -> None:
+        self.token = TOKEN
+        self.refused_calls: dict[str, int] = {}
+
+    def revoked(self, node: str) -> bool:
+        return False
+
     def status(self) -> cpb.RunStatusReply:
         return cpb.RunStatusReply(run="secure", state="running")
 

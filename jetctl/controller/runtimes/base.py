@@ -26,20 +26,37 @@ class RuntimeUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class ContainerSpec:
-    """How the docker runtime runs a node: image, limits and the host paths it needs.
+class Mount:
+    """A host path bind-mounted into a node's container at `target` (default: the same path)."""
 
-    Every mount keeps its host path inside the container, so the run dir's files
-    (token, servers/*.json, nodes/, spool/) and the recipe are where the node looks.
+    source: Path
+    read_only: bool = True
+    target: Path | None = None
+
+    @property
+    def at(self) -> Path:
+        return self.target if self.target is not None else self.source
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """How the docker runtime runs a node: image, limits, network and what it may see.
+
+    A client container sees only what the node owns (runtimes/docker.py): its spool folder,
+    its log, `mounts` (read-only unless said), never the run dir.
     """
 
     image: str
     cpus: float | None = None
-    memory: str | None = None  # docker byte size: 512m, 2g
-    pids: int | None = None
+    memory: str | None = None  # docker byte size: 512m, 2g (None: the runtime's default)
+    pids: int | None = None  # None: the runtime's default
     shm: str | None = None
-    mounts: tuple[tuple[Path, bool], ...] = ()  # (host path, read_only), mounted at that path
+    tmp: str | None = None  # size of the /tmp tmpfs, the only scratch (None: the default)
+    mounts: tuple[Mount, ...] = ()
+    spool: Path | None = None  # host folder the node sees as `<run dir>/spool` (its own)
     docker_socket: bool = False  # the engine's socket at /var/run/docker.sock (and its group)
+    network: Literal["isolated", "host"] = "isolated"
+    reach: tuple[int, ...] = ()  # ports of this host it dials (controller, servers): open
 
 
 @dataclass(frozen=True)

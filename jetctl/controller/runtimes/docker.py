@@ -1,45 +1,65 @@
 """The `docker` runtime: one container per client node, through the `docker` SDK.
 
     rt = DockerRuntime(run_dir)          # raises RuntimeUnavailable when dockerd is not there
+    gateway = rt.network().gateway       # the run's network; servers listen here too
     handle = rt.start(spec)              # spec.container names the image and the limits
 
-Each container:
+A client container runs code the server must not trust (the agent, the env, a page Chromium
+renders), so it sees and reaches only what its node needs. Each container:
 * is labelled `jetctl.run`, `jetctl.task`, `jetctl.revision` (from the controller), plus
   `jetctl.run_dir`, `jetctl.node`, `jetctl.kind`, `jetctl.index`, `jetctl.model`, so a new
   controller (`up --resume`) adopts it and `up`/`down` find every container of the run
   by label: two runs of the same name in different dirs never see each other's;
-* runs on the host network (`network_mode="host"`): the servers on 127.0.0.1 are reached
-  as from a process, and the node's /metrics port is a host port;
-* gets the run dir bind-mounted at the same path (read-write) and the recipe (read-only),
-  so the token, `servers/<model>.json`, `nodes/<node>.json` and the spool work unchanged;
-* runs as the calling user (files in the run dir stay the user's), with `init=True`
-  (tini reaps the rollouts' children and forwards SIGTERM, which drains the node);
-* is limited to `cpus` (nano_cpus), `memory` (mem_limit, no extra swap) and `pids`
-  (pids_limit), with `/dev/shm` of `shm` (Chromium needs more than docker's 64m);
+* mounts only what its node owns: its spool folder (`<run>/containers/<node>/spool`, seen at
+  `<run>/spool`, read-write) and its log file (`<run>/logs/<node>.log`, appended by the
+  wrapper), plus `spec.container.mounts` (read-only: the TLS files a client presents, never
+  a key of the server or the CA). Never run.json, the run token, the TLS directory, a
+  server's store or checkpoints, another node's spool;
+* authenticates with its node's credential (`JETCTL_TOKEN` in its environment, jetctl.auth),
+  which allows client calls only, never the run token;
+* is on the run's own network (`network: isolated`, the default): an internal docker bridge
+  (no route out, no traffic between containers) whose gateway address is this host's. The
+  controller and this host's servers also listen on that address (the least exposure that
+  works: only this host and the run's containers reach it). As root, the runtime also
+  firewalls the bridge (an iptables chain on INPUT): of this host's ports only `reach`
+  (controller, servers) answer, so a service of the host bound to 0.0.0.0 is not reached.
+  Without root it logs that it cannot. `network: host` (the recipe's choice, logged as a
+  warning) puts the node on the host's network instead;
+* drops every capability (`cap_drop=ALL`), sets `no-new-privileges`, runs as a user that is
+  not root (the caller's uid; nobody, 65534, when the controller runs as root), on a
+  read-only root filesystem whose only scratch is a /tmp tmpfs (`tmp`, also HOME), with
+  `init=True` (tini reaps the rollouts' children and forwards SIGTERM, which drains the node);
+* is limited to `cpus` (nano_cpus), `memory` (mem_limit, no extra swap; default 4g) and
+  `pids` (pids_limit, default 512: a fork bomb stops there), with `/dev/shm` of `shm`;
 * with `docker_socket` (recipe: `docker_socket: true`) gets the engine's unix socket at
   /var/run/docker.sock and its group, so its env can start sibling containers (the code
-  env's sandbox); that is control of the host's engine, so it is off by default;
-* appends its stdout+stderr to `<run_dir>/logs/<node>.log`, like a process node.
+  env's sandbox); that is control of the host's engine, so it is off by default.
 
 Restarts are the controller's (its backoff); docker's own restart policy stays off, and
-an exited container is removed (`release`), so nothing is left behind. Left out: servers
-in containers (they need the host's accelerators; they run as processes), registries
-(images are local tags, see `jetctl images build`).
+an exited container is removed (`release`), so nothing is left behind. `close` removes the
+run's network (and its firewall chain) once no container is on it. Left out: servers in
+containers (they need the host's accelerators; they run as processes), registries (images
+are local tags, see `jetctl images build`), IPv6 on the run's network, and servers on other
+hosts for an isolated task (use `network: host`).
 """
 
 from __future__ import annotations
 
 import builtins
 import hashlib
+import logging
 import os
 import re
+import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jetctl.controller.runtimes.base import (
     ContainerSpec,
+    Mount,
     NodeHandle,
     NodeSpec,
     NodeState,
@@ -52,8 +72,14 @@ if TYPE_CHECKING:
     from docker import DockerClient
     from docker.models.containers import Container
 
+log = logging.getLogger("jetctl.controller")
+
 LABEL_RUN_DIR = "jetctl.run_dir"
 LABEL_NODE = "jetctl.node"
+DEFAULT_MEMORY = "4g"
+DEFAULT_PIDS = 512
+DEFAULT_TMP = "256m"
+NOBODY = (65534, 65534)  # the user of a container whose controller runs as root
 # sh is in every base image; `exec` keeps the node as tini's only child
 _LOG_WRAPPER = 'exec "$@" >>"$JETCTL_LOG" 2>&1'
 _LIVE = ("created", "running", "restarting", "paused")
@@ -98,18 +124,126 @@ def container_name(run_dir: Path, node: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", raw)
 
 
+@dataclass(frozen=True)
+class RunNetwork:
+    """The run's docker network: its name, its gateway (this host's address on it) and the
+    host's bridge interface."""
+
+    name: str
+    gateway: str
+    bridge: str
+
+
+def network_name(run_dir: Path) -> str:
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:6]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"jetctl-{run_dir.name}-{digest}")
+
+
+def _chain(bridge: str) -> str:
+    return f"JETCTL-{bridge}"[:28]  # iptables' limit on a chain's name
+
+
+def _iptables(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["iptables", "-w", *args], check=False, capture_output=True, text=True, timeout=30
+    )
+
+
+def firewall(net: RunNetwork, ports: builtins.list[int]) -> str:
+    """Let the run's containers reach only `ports` of this host (and answers to what they
+    opened): a chain of the bridge's on INPUT, rewritten whole. '' when done, else why not."""
+    chain = _chain(net.bridge)
+    rules = [["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
+    rules += [["-p", "tcp", "--dport", str(p), "-j", "ACCEPT"] for p in sorted(set(ports))]
+    rules += [["-j", "DROP"]]
+    try:
+        _iptables("-N", chain)  # fails when it exists: then it is rewritten
+        steps = [("-F", chain)] + [("-A", chain, *r) for r in rules]
+        for step in steps:
+            done = _iptables(*step)
+            if done.returncode != 0:
+                return done.stderr.strip() or f"iptables {' '.join(step)} failed"
+        if _iptables("-C", "INPUT", "-i", net.bridge, "-j", chain).returncode != 0:
+            done = _iptables("-I", "INPUT", "1", "-i", net.bridge, "-j", chain)
+            if done.returncode != 0:
+                return done.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    return ""
+
+
+def remove_firewall(net: RunNetwork) -> None:
+    chain = _chain(net.bridge)
+    try:
+        while _iptables("-D", "INPUT", "-i", net.bridge, "-j", chain).returncode == 0:
+            pass
+        _iptables("-F", chain)
+        _iptables("-X", chain)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not remove the firewall chain %s: %s", chain, e)
+
+
 class DockerRuntime(Runtime):
     """Client nodes as containers of the local docker engine, found by the run dir label."""
 
     name = "docker"
 
-    def __init__(self, run_dir: Path, client: DockerClient | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, client: DockerClient | None = None,
+        extra_mounts: tuple[Mount, ...] = (),
+    ) -> None:
+        """`extra_mounts`: given to every container of the run (tests' fake nodes, an agent
+        under development); read-only unless said."""
         self.run_dir = Path(run_dir).resolve()
+        self.paths = RunPaths(self.run_dir)
         self.client = client if client is not None else docker_client()
+        self.extra_mounts = extra_mounts
         self._lock = (
             threading.Lock()
         )  # the SDK's HTTP session is shared by the controller's threads
         self._containers: dict[str, Container] = {}
+        self._network: RunNetwork | None = None
+        self._open_ports: set[int] = set()
+        self._firewall_failed = ""
+
+    def network(self) -> RunNetwork:
+        """The run's network, made on first use (kept across controllers: `up --resume`
+        finds the containers on it)."""
+        import docker
+
+        if self._network is not None:
+            return self._network
+        name = network_name(self.run_dir)
+        with self._lock:
+            try:
+                net = self.client.networks.get(name)
+            except docker.errors.NotFound:
+                net = self.client.networks.create(
+                    name, driver="bridge", internal=True, check_duplicate=True,
+                    labels={LABEL_RUN_DIR: str(self.run_dir)},
+                    options={"com.docker.network.bridge.enable_icc": "false"},
+                )
+            net.reload()
+        config = net.attrs["IPAM"]["Config"][0]
+        bridge = net.attrs.get("Options", {}).get("com.docker.network.bridge.name") or (
+            f"br-{net.id[:12]}"
+        )
+        self._network = RunNetwork(name=name, gateway=config["Gateway"], bridge=bridge)
+        return self._network
+
+    def _allow(self, ports: tuple[int, ...]) -> None:
+        """Open `ports` of this host to the run's network, and nothing else of it."""
+        if not ports or set(ports) <= self._open_ports:
+            return
+        self._open_ports |= set(ports)
+        why = firewall(self.network(), sorted(self._open_ports))
+        if why and why != self._firewall_failed:
+            log.warning(
+                "cannot firewall the run's docker network (%s; it needs root): a service of "
+                "this host listening on 0.0.0.0 is reachable from the client containers at %s",
+                why, self.network().gateway,
+            )
+        self._firewall_failed = why
 
     # -- the interface ------------------------------------------------------------------
 
@@ -132,18 +266,28 @@ class DockerRuntime(Runtime):
         if spec.container is None:
             raise ValueError(f"{spec.name}: the docker runtime needs spec.container (an image)")
         c = spec.container
-        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "ab") as log:
-            log.write(
-                f"\n--- jetctl: starting {spec.name} in {c.image}: {' '.join(spec.argv)}\n".encode()
-            )
         name = container_name(self.run_dir, spec.name)
-        volumes = {str(self.run_dir): {"bind": str(self.run_dir), "mode": "rw"}}
-        for path, read_only in c.mounts:
-            volumes[str(path)] = {"bind": str(path), "mode": "ro" if read_only else "rw"}
+        kwargs = self._run_kwargs(spec, c)
+        kwargs["name"] = name
+        try:
+            with self._lock:
+                self._remove_by_name(name)
+                container = self.client.containers.run(c.image, **kwargs)
+        except docker.errors.ImageNotFound as e:
+            raise OSError(f"image {c.image!r} not found: run `jetctl images build` ({e})") from None
+        except docker.errors.APIError as e:
+            raise OSError(f"docker could not start {spec.name}: {e}") from None
+        self._containers[container.id] = container
+        return NodeHandle(spec=spec, container_id=container.id, started_at=time.time())
+
+    def _run_kwargs(self, spec: NodeSpec, c: ContainerSpec) -> dict[str, Any]:
+        """`containers.run` arguments: the node's own files, its limits, its network."""
+        uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else NOBODY
+        volumes = self._volumes(spec, c, uid, gid)
         env = {
             "PYTHONUNBUFFERED": "1",
-            "HOME": "/tmp",  # the caller's uid has no home in the image
+            "PYTHONDONTWRITEBYTECODE": "1",  # the root filesystem is read-only
+            "HOME": "/tmp",  # the tmpfs: the only place to write besides the spool
             "JETCTL_LOG": str(spec.log_path),
             **spec.env,
         }
@@ -157,43 +301,64 @@ class DockerRuntime(Runtime):
             "jetctl.task": spec.task,
             "jetctl.revision": spec.revision,
         }
+        memory = c.memory or DEFAULT_MEMORY
         kwargs: dict[str, Any] = {
-            "name": name,
             "command": ["sh", "-c", _LOG_WRAPPER, "jetctl-node", *spec.argv],
             "entrypoint": [],
             "environment": env,
             "labels": labels,
             "volumes": volumes,
-            "network_mode": "host",
             "init": True,
-            "user": f"{os.getuid()}:{os.getgid()}",
+            "user": f"{uid}:{gid}",
             "detach": True,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "read_only": True,
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={c.tmp or DEFAULT_TMP},mode=1777"},
+            "mem_limit": memory,
+            "memswap_limit": memory,  # no swap beyond the cap
+            "pids_limit": c.pids or DEFAULT_PIDS,
         }
+        if c.network == "host":
+            log.warning("%s runs on the host's network (network: host): it reaches every "
+                        "address this host does", spec.name)
+            kwargs["network_mode"] = "host"
+        else:
+            kwargs["network"] = self.network().name
+            self._allow(c.reach)
         if spec.cwd is not None:
             kwargs["working_dir"] = str(spec.cwd)
         if c.cpus is not None:
             kwargs["nano_cpus"] = int(c.cpus * 1e9)
-        if c.memory is not None:
-            kwargs["mem_limit"] = c.memory
-            kwargs["memswap_limit"] = c.memory  # no swap beyond the cap
-        if c.pids is not None:
-            kwargs["pids_limit"] = c.pids
         if c.shm is not None:
             kwargs["shm_size"] = c.shm
         if c.docker_socket:
             sock = engine_socket()
             volumes[str(sock)] = {"bind": "/var/run/docker.sock", "mode": "rw"}
-            kwargs["group_add"] = [str(sock.stat().st_gid)]  # the node runs as the caller's uid
-        try:
-            with self._lock:
-                self._remove_by_name(name)
-                container = self.client.containers.run(c.image, **kwargs)
-        except docker.errors.ImageNotFound as e:
-            raise OSError(f"image {c.image!r} not found: run `jetctl images build` ({e})") from None
-        except docker.errors.APIError as e:
-            raise OSError(f"docker could not start {spec.name}: {e}") from None
-        self._containers[container.id] = container
-        return NodeHandle(spec=spec, container_id=container.id, started_at=time.time())
+            kwargs["group_add"] = [str(sock.stat().st_gid)]
+        return kwargs
+
+    def _volumes(
+        self, spec: NodeSpec, c: ContainerSpec, uid: int, gid: int
+    ) -> dict[str, dict[str, str]]:
+        """The node's spool folder and log file (made here, owned by the container's user),
+        and the read-only mounts it asks for."""
+        spool = c.spool or self.paths.container_spool(spec.name)
+        spool.mkdir(parents=True, exist_ok=True)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log_file:
+            log_file.write(
+                f"\n--- jetctl: starting {spec.name} in {c.image}: {' '.join(spec.argv)}\n".encode()
+            )
+        for path in (spool, spool.parent, spec.log_path):
+            os.chown(path, uid, gid)
+        volumes = {
+            str(spool): {"bind": str(self.paths.spool_dir), "mode": "rw"},
+            str(spec.log_path): {"bind": str(spec.log_path), "mode": "rw"},
+        }
+        for m in (*c.mounts, *self.extra_mounts):
+            volumes[str(m.source)] = {"bind": str(m.at), "mode": "ro" if m.read_only else "rw"}
+        return volumes
 
     def poll(self, handle: NodeHandle) -> NodeState:
         import docker
@@ -271,10 +436,35 @@ class DockerRuntime(Runtime):
                 count += 1
             except docker.errors.NotFound:
                 pass
+        self.remove_network()
         return count
 
     def close(self) -> None:
+        self.remove_network()
         self.client.close()
+
+    def remove_network(self) -> None:
+        """Remove the run's network and its firewall once no container is on it (a run that
+        stops leaves none; a controller that dies leaves them to `up --resume`)."""
+        import docker
+
+        name = network_name(self.run_dir)
+        try:
+            with self._lock:
+                net = self.client.networks.get(name)
+                net.reload()
+                if net.attrs.get("Containers"):
+                    return
+                bridge = net.attrs.get("Options", {}).get("com.docker.network.bridge.name")
+                gone = RunNetwork(name, "", bridge or f"br-{net.id[:12]}")
+                net.remove()
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as e:
+            log.warning("could not remove the network %s: %s", name, e)
+            return
+        remove_firewall(gone)
+        self._network, self._open_ports, self._firewall_failed = None, set(), ""
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -330,10 +520,11 @@ class DockerRuntime(Runtime):
         argv = cmd[4:] if cmd[:2] == ["sh", "-c"] else cmd  # sh -c WRAPPER $0 argv...
         env = dict(e.split("=", 1) for e in container.attrs["Config"].get("Env") or [] if "=" in e)
         host = container.attrs["HostConfig"]
+        own = {str(self.paths.spool_dir), env.get("JETCTL_LOG", "")}
         mounts = tuple(
-            (Path(m["Source"]), not m.get("RW", True))
+            Mount(Path(m["Source"]), not m.get("RW", True), Path(m["Destination"]))
             for m in container.attrs.get("Mounts") or []
-            if m.get("Source") and Path(m["Source"]) != self.run_dir
+            if m.get("Source") and m.get("Destination") not in own
         )
         return NodeSpec(
             name=labels.get(LABEL_NODE, container.name),
@@ -352,5 +543,6 @@ class DockerRuntime(Runtime):
                 cpus=(host.get("NanoCpus") or 0) / 1e9 or None,
                 pids=host.get("PidsLimit") or None,
                 mounts=mounts,
+                network="host" if host.get("NetworkMode") == "host" else "isolated",
             ),
         )
