@@ -1,0 +1,1 @@
+"""Environments that ship with jetctl (`jetctl.envs.dataset`: tasks from a dataset file)."""
