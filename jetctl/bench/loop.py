@@ -293,7 +293,7 @@ def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
 
 
 def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: float,
-             seed: int) -> RunFigures:
+             seed: int, *, dynamic_sampling: bool = False) -> RunFigures:
     from jetctl.recipe import Recipe
 
     rec = Recipe.model_validate(recipe)  # defaults filled in, as the swarm's server sees them
@@ -303,6 +303,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
         "model": rec.models[task.models[0]].model_dump(mode="json"),
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
+        "dynamic_sampling": dynamic_sampling,
     }
     # the swarm's cut recipe wraps the env for latency; the loop wraps it itself
     if latency_s > 0:
@@ -336,7 +337,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
 def run(
     recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
     modes: list[str], task: str | None = None, out_dir: Path | None = None,
-    progress: Any = None,
+    progress: Any = None, loop_dynamic_sampling: bool = False,
 ) -> list[RunFigures]:
     from jetctl.recipe import load_recipe
 
@@ -357,7 +358,8 @@ def run(
                 if mode == "swarm":
                     results.append(run_swarm(recipe, rd, latency, seed))
                 else:
-                    results.append(run_loop(recipe, rd, seconds, latency, seed))
+                    results.append(run_loop(recipe, rd, seconds, latency, seed,
+                                            dynamic_sampling=loop_dynamic_sampling))
     (base / "bench-loop.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     return results
 

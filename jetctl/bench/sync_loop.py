@@ -2,22 +2,27 @@
 
     python -m jetctl.bench.sync_loop SPEC.json OUT.json
 
-What a user could write instead of a swarm, with the same model, env, agent, sampling and
-optimizer as the recipe's task:
+The fastest simple thing a user could write instead of a swarm, with the same model, env,
+agent, sampling and optimizer as the recipe's task:
 
-    load the model (+ the same LoRA adapter); repeat:
+    load the model (+ the same LoRA adapter), give torch every core; repeat:
         run groups_per_step x G rollouts of the real agent, each in a thread, against an
         in-process OpenAI-style client; the calls they make are answered together by one
-        left-padded `model.generate` per turn (environment answers run in parallel; where
-        `generation.dtype` asks for another dtype, or `auto` picks one on this host, on a
-        copy in that dtype refreshed after each step, as the swarm's engine generates)
-        score them (the env's reward); keep the groups whose rewards differ
-        once groups_per_step such groups are in: one GRPO PPO-clip step (jetctl's loss,
-        behaviour logprobs from generation, token-mean), AdamW, gradient clipping
+        left-padded `model.generate` per turn over the whole batch (the chat template is
+        rendered once per distinct conversation: a group's G first calls share one);
+        environment answers run in parallel (where `generation.dtype` asks for another dtype,
+        or `auto` picks one on this host, generation runs on a copy in that dtype refreshed
+        after each step, as the swarm's engine does)
+        score them (the env's reward); GRPO advantages per group; rows whose advantage is 0
+        are dropped; every group is trained as it comes: one PPO-clip step (jetctl's loss,
+        behaviour logprobs from generation, token-mean) over the batch packed with each
+        group's shared prefix once (a 4-D mask, logits only where a token is scored), AdamW,
+        gradient clipping
 
-The chat is rendered with the tokenizer's chat template on every call (the simple thing;
-the swarm reuses earlier turns' token ids instead). Generation and training share the
-process's torch threads (all cores). Nothing is spooled, checkpointed or sent anywhere.
+A round whose groups all scored the same has nothing to learn from and takes no step.
+`dynamic_sampling` (off by default) instead collects groups_per_step groups whose rewards
+differ before each step, as the swarm's trainer does. Nothing is spooled, checkpointed or
+sent anywhere.
 
 It writes per-group rewards with their times, step times and CPU seconds to OUT.json for
 `jetctl.bench.loop` to compare with the swarm. Left out: timeouts, failed rollouts (a
@@ -52,6 +57,8 @@ class LoopSpec:
     seed: int
     latency_s: float = 0.0
     threads: int = 0  # torch threads (0: all cores)
+    dynamic_sampling: bool = False  # step only on groups_per_step groups whose rewards differ
+    algorithm: str = "grpo"  # jetctl.server.algorithms: advantages and loss
 
 
 @dataclass
@@ -120,10 +127,7 @@ class _Client:
         from jetctl.client.timeline import parse_tool_calls
 
         loop = self._loop
-        tools = kw.get("tools")
-        prompt: list[int] = loop.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+        prompt = loop.render(messages, kw.get("tools"))
         sampling = loop.task["sampling"]
         call = _Call(
             list(prompt),
@@ -167,12 +171,14 @@ class _LoopLLM:
 
 
 class SyncLoop:
-    def __init__(self, spec: LoopSpec) -> None:
+    def __init__(self, spec: LoopSpec, started: float = T0) -> None:
+        """`started`: the monotonic time the figures count from (default: process start)."""
         from jetctl.bench.latency import SlowEnv
         from jetctl.client.rollout import load_object
         from jetctl.models import load_model
 
         self.spec = spec
+        self.t0 = started
         self.task = spec.task
         mc = spec.model
         torch.set_num_threads(spec.threads or os.cpu_count() or 1)
@@ -223,10 +229,26 @@ class SyncLoop:
         self.eos = [eos] if isinstance(eos, int) else list(eos)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self.batcher = _Batcher(0)
+        self._rendered: dict[str, list[int]] = {}  # conversation -> prompt ids, one round
+        self._render_lock = threading.Lock()
         self.version = 0
         self.out: dict[str, Any] = {"groups": [], "steps": [], "gen_batches": [], "train_s": []}
 
     # --- rollouts ----------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        """The prompt ids of a conversation, rendered once per round: the G rollouts of a
+        group ask with the same messages on their first turn."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        with self._render_lock:
+            ids = self._rendered.get(key)
+        if ids is None:
+            ids = list(self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"])
+            with self._render_lock:
+                self._rendered[key] = ids
+        return ids
 
     def _run_rollout(self, r: _Rollout) -> None:
         try:
@@ -248,6 +270,7 @@ class SyncLoop:
         G = self.task["group_size"]
         groups = [[_Rollout(t) for _ in range(G)] for t in (next(self.tasks) for _ in range(n_groups))]
         flat = [r for g in groups for r in g]
+        self._rendered = {}
         self.batcher = _Batcher(len(flat))
         threads = [threading.Thread(target=self._run_rollout, args=(r,), daemon=True) for r in flat]
         for t in threads:
@@ -295,42 +318,29 @@ class SyncLoop:
 
     # --- training ----------------------------------------------------------------------
 
-    def step(self, groups: list[list[_Rollout]]) -> None:
+    def step(self, groups: list[list[_Rollout]]) -> bool:
+        """One optimizer step on the groups' rows whose advantage is not 0; False (no step)
+        when there are none."""
         from jetctl.server.algorithms.grpo import group_advantages, grpo_loss
 
         t0 = time.monotonic()
-        rows: list[tuple[list[int], int, list[float], float]] = []  # ids, prompt len, old lp, A
+        packed_groups: list[list[_Row]] = []
         for g in groups:
-            for r, a in zip(g, group_advantages([r.reward for r in g])):
-                for c in r.calls:
-                    rows.append((c.prompt_ids + c.completion_ids, len(c.prompt_ids), c.logprobs, a))
-        n_scored = sum(len(lp) for _, _, lp, _ in rows)
-        budget = self.spec.model["train"]["max_tokens_per_microbatch"]
-        rows.sort(key=lambda row: len(row[0]))
-        batches: list[list[tuple[list[int], int, list[float], float]]] = [[]]
-        for row in rows:
-            width = max([len(row[0])] + [len(x[0]) for x in batches[-1]])
-            if batches[-1] and width * (len(batches[-1]) + 1) > budget:
-                batches.append([])
-            batches[-1].append(row)
-        for batch in batches:
-            width = max(len(x[0]) for x in batch)
-            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, (seq, _, _, _) in enumerate(batch):
-                ids[i, : len(seq)] = torch.tensor(seq)
-                mask[i, : len(seq)] = 1
-            logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
-            new_lp, old_lp, adv = [], [], []
-            for i, (seq, p, lps, a) in enumerate(batch):
-                # token t is predicted at position t - 1
-                pos = torch.arange(p - 1, len(seq) - 1)
-                lp = torch.log_softmax(logits[i, pos].float(), -1)
-                new_lp.append(lp.gather(-1, torch.tensor(seq[p:]).unsqueeze(-1)).squeeze(-1))
-                old_lp += lps
-                adv += [a] * len(lps)
+            rows = [
+                _Row(c.prompt_ids, c.completion_ids, c.logprobs, a)
+                for r, a in zip(g, group_advantages([r.reward for r in g])) if a != 0
+                for c in r.calls if c.completion_ids
+            ]
+            if rows:
+                packed_groups.append(rows)
+        if not packed_groups:
+            return False
+        n_scored = sum(len(row.completion) for rows in packed_groups for row in rows)
+        for chunk in _chunks(packed_groups, self.spec.model["train"]["max_tokens_per_microbatch"]):
+            batch = pack(chunk)
+            new_lp = packed_logprobs(self.model, batch)
             loss, _ = grpo_loss(
-                torch.cat(new_lp), torch.tensor(old_lp), torch.tensor(adv),
+                new_lp, batch.old_logprobs, batch.advantages,
                 clip_eps=self.spec.model["train"]["clip_eps"], normalizer=n_scored,
             )
             loss.backward()
@@ -341,30 +351,144 @@ class SyncLoop:
         if self.replica is not None:
             self.replica.publish(self.version)
         self.out["train_s"].append(time.monotonic() - t0)
-        self.out["steps"].append(time.monotonic() - T0)
+        self.out["steps"].append(time.monotonic() - self.t0)
+        return True
 
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         per_step = self.spec.model["train"]["groups_per_step"]
         ready: list[list[_Rollout]] = []
-        while time.monotonic() - T0 < self.spec.seconds:
-            for g in self.rollouts(per_step):
+        while time.monotonic() - self.t0 < self.spec.seconds:
+            groups = self.rollouts(per_step)
+            for g in groups:
                 rewards = [r.reward for r in g]
-                informative = max(rewards) != min(rewards)
                 self.out["groups"].append({
-                    "t": time.monotonic() - T0, "reward": sum(rewards) / len(rewards),
-                    "n": len(g), "informative": informative, "version": self.version,
+                    "t": time.monotonic() - self.t0, "reward": sum(rewards) / len(rewards),
+                    "n": len(g), "informative": max(rewards) != min(rewards),
+                    "version": self.version,
                 })
-                if informative:
-                    ready.append(g)
+            if not self.spec.dynamic_sampling:
+                self.step(groups)
+                continue
+            ready += [g for g in groups if len({r.reward for r in g}) > 1]
             if len(ready) >= per_step:
                 self.step(ready[:per_step])
                 ready = ready[per_step:]
-        self.out["wall_s"] = time.monotonic() - T0
+        self.out["wall_s"] = time.monotonic() - self.t0
         times = os.times()
         self.out["cpu"] = {"loop": times.user + times.system}
         return self.out
+
+
+# --- packing: each group's shared prefix once ------------------------------------------
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    completion: list[int]
+    logprobs: list[float]  # behaviour logprobs of the completion
+    advantage: float
+
+
+@dataclass
+class Packed:
+    """Groups packed in one row: a group's common prompt prefix once, then each row's rest
+    (its prompt after the prefix, then its completion), each seeing only the prefix and
+    itself (a 4-D additive mask), positions continuing from the prefix."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    mask: torch.Tensor  # [1, 1, T, T] 0 where visible, finfo.min elsewhere
+    pred: torch.Tensor  # [N] position whose logits score each completion token
+    targets: torch.Tensor  # [N]
+    old_logprobs: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+
+
+def _common_prefix(rows: list[_Row]) -> int:
+    first = rows[0].prompt
+    n = min(len(r.prompt) for r in rows)
+    for r in rows[1:]:
+        i = 0
+        while i < n and r.prompt[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+def pack(groups: list[list[_Row]]) -> Packed:
+    tokens: list[int] = []
+    positions: list[int] = []
+    group_of: list[int] = []
+    branch_of: list[int] = []  # -1: the group's shared prefix
+    pred: list[int] = []
+    targets: list[int] = []
+    old: list[float] = []
+    adv: list[float] = []
+    for gi, rows in enumerate(groups):
+        shared = _common_prefix(rows)
+        last_shared = len(tokens) + shared - 1
+        tokens += rows[0].prompt[:shared]
+        positions += range(shared)
+        group_of += [gi] * shared
+        branch_of += [-1] * shared
+        for bi, row in enumerate(rows):
+            start = len(tokens)
+            rest = row.prompt[shared:] + row.completion
+            tokens += rest
+            positions += range(shared, shared + len(rest))
+            group_of += [gi] * len(rest)
+            branch_of += [bi] * len(rest)
+            first = start + len(row.prompt) - shared  # where the completion starts
+            for k, tok in enumerate(row.completion):
+                # token t is predicted at t - 1; the first of a branch with no prompt of its
+                # own, at the prefix's last token
+                pred.append(first + k - 1 if first + k - 1 >= start else last_shared)
+                targets.append(tok)
+            old += row.logprobs[: len(row.completion)]
+            adv += [row.advantage] * len(row.completion)
+    g = torch.tensor(group_of)
+    b = torch.tensor(branch_of)
+    n = len(tokens)
+    visible = (
+        torch.ones(n, n, dtype=torch.bool).tril()
+        & (g[:, None] == g[None, :])
+        & ((b[None, :] == -1) | (b[None, :] == b[:, None]))
+    )
+    mask = torch.zeros(n, n).masked_fill_(~visible, torch.finfo(torch.float32).min)
+    return Packed(
+        input_ids=torch.tensor([tokens]), position_ids=torch.tensor([positions]),
+        mask=mask[None, None], pred=torch.tensor(pred), targets=torch.tensor(targets),
+        old_logprobs=torch.tensor(old), advantages=torch.tensor(adv),
+    )
+
+
+def _chunks(groups: list[list[_Row]], budget: int) -> list[list[list[_Row]]]:
+    """Whole groups per micro-batch, at most `budget` tokens each (a larger group alone)."""
+    out: list[list[list[_Row]]] = [[]]
+    used = 0
+    for rows in groups:
+        size = sum(len(r.prompt) + len(r.completion) for r in rows)  # an upper bound
+        if out[-1] and used + size > budget:
+            out.append([])
+            used = 0
+        out[-1].append(rows)
+        used += size
+    return out
+
+
+def packed_logprobs(model: Any, batch: Packed) -> torch.Tensor:
+    """log p(target | context) for every completion token: [N], float32; the vocabulary
+    projection runs only at the scored positions."""
+    keep, column = torch.unique(batch.pred, return_inverse=True)  # [K], [N]
+    out = model(
+        input_ids=batch.input_ids, attention_mask=batch.mask, position_ids=batch.position_ids,
+        logits_to_keep=keep, use_cache=False,
+    )
+    logp = torch.log_softmax(out.logits[0, column].float(), dim=-1)  # [N, V]
+    return logp.gather(-1, batch.targets[:, None]).squeeze(-1)
 
 
 def main(argv: list[str]) -> int:

@@ -21,6 +21,10 @@ def register(bench: typer.Typer) -> None:
         task: Annotated[str | None, typer.Option(help="The task to run (default: the first).")] = None,
         out: Annotated[Path | None, typer.Option(
             help="Folder for the runs and bench-loop.json (default: a temp folder).")] = None,
+        loop_dynamic_sampling: Annotated[bool, typer.Option(
+            help="The loop steps only on groups_per_step groups whose rewards differ, as the "
+            "swarm's trainer does (default: every round's groups are trained as they come).",
+        )] = False,
     ) -> None:
         """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
         sampling and optimizer; time to first step, s/step, trajectories/s, time to reward,
@@ -51,5 +55,6 @@ def register(bench: typer.Typer) -> None:
         console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min)")
         results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
                          modes=mode_list, task=task, out_dir=out,
+                         loop_dynamic_sampling=loop_dynamic_sampling,
                          progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
         console.print(bl.render(results))

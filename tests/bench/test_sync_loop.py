@@ -3,6 +3,7 @@ with follows the recipe as the swarm's engine does."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +78,60 @@ def test_with_generation_dtype_auto_the_loop_takes_the_engines_pick_on_this_host
         assert loop.gen_model is not loop.model and picked == {torch.bfloat16}
     else:
         assert loop.gen_model is loop.model and picked == {torch.float32}
+
+
+def test_packed_rows_score_every_completion_token_as_one_sequence_at_a_time_does() -> None:
+    """The loop's packing (each group's shared prompt once, a 4-D mask, positions continuing
+    from the prefix) against a plain forward of each prompt + completion alone: one-turn rows
+    that share the whole prompt, and later-turn rows whose prompts extend it differently."""
+    from jetctl.bench.sync_loop import _Row, pack, packed_logprobs
+    from jetctl.models import load_model
+
+    model, _ = load_model("builtin:tiny", attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(5, V, (n,), generator=gen).tolist()
+
+    p1, p2 = ids(30), ids(20)
+    first_turns = [_Row(p1, ids(n), [0.0] * n, 1.0) for n in (3, 7, 5)]
+    later_turns = [_Row(p2 + ids(k), ids(4), [0.0] * 4, -1.0) for k in (0, 6, 2)]
+    batch = pack([first_turns, later_turns])
+    with torch.no_grad():
+        packed = packed_logprobs(model, batch)
+        alone = []
+        for row in first_turns + later_turns:
+            logp = model(input_ids=torch.tensor([row.prompt + row.completion])).logits[0]
+            logp = logp.float().log_softmax(-1)
+            alone += [logp[len(row.prompt) + k - 1, t] for k, t in enumerate(row.completion)]
+    assert packed.shape == (27,) and batch.input_ids.shape[1] == 30 + 15 + 20 + 8 + 12
+    # float32 rounding of a different summation order (1e-7 seen on this model)
+    torch.testing.assert_close(packed, torch.stack(alone), rtol=0, atol=1e-5)
+    assert batch.advantages.tolist() == [1.0] * 15 + [-1.0] * 12
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_the_loop_steps_on_every_round_with_signal_or_on_enough_informative_groups(
+    dynamic_sampling: bool,
+) -> None:
+    """Every group trained as it comes (a round whose groups all scored the same takes no
+    step), or, with dynamic sampling, a step per groups_per_step informative groups."""
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    model = rec.models["policy"]
+    spec = LoopSpec(
+        model=model.model_dump(mode="json"), task=rec.tasks["digits"].model_dump(mode="json"),
+        seconds=8, seed=0, threads=1, dynamic_sampling=dynamic_sampling,
+    )
+    loop = SyncLoop(spec, started=time.monotonic())
+    before = [p.detach().clone() for p in loop.params]
+    out = loop.run()
+    per_step = model.train.groups_per_step
+    informative = [g["informative"] for g in out["groups"]]
+    rounds = [informative[i : i + per_step] for i in range(0, len(informative), per_step)]
+    assert len(rounds) >= 3
+    if dynamic_sampling:
+        assert len(out["steps"]) == sum(informative) // per_step
+    else:
+        assert len(out["steps"]) == sum(1 for r in rounds if any(r))
+    assert out["steps"] and any(not torch.equal(b, p) for b, p in zip(before, loop.params))
