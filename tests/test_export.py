@@ -103,6 +103,11 @@ def test_merged_folder_loads_with_transformers_and_matches_the_server(
     assert AutoTokenizer.from_pretrained(out).apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)
     assert f"at step {STEP}" in (out / "README.md").read_text()
+    # a new run can start from it: a folder is a model source
+    from jetctl.models import load_model
+
+    again, _ = load_model(str(out), attn_implementation="sdpa", progress=False)  # as the server
+    assert (server_logits(again) - served).abs().max().item() < TOLERANCE
 
 
 def test_adapter_folder_loads_with_peft_and_matches_the_server(tmp_path: Path) -> None:
