@@ -513,7 +513,14 @@ class TaskConfig(_Strict):
     group_size: int = Field(
         default=8, ge=2, description="G in GRPO: rollouts of one task per group"
     )
-    concurrency: int = Field(default=8, ge=1, description="rollouts a node runs at once")
+    concurrency: Literal["auto"] | int = Field(
+        default="auto",
+        description="rollouts a node runs at once. auto: sized by the server's load (starts at "
+        "8, at least group_size; a group more while the trainer waits for groups and every "
+        "slot is busy, a group less while the engine queues requests or the trainer has a "
+        "backlog of 4 steps; between group_size and 8 x group_size; `jetctl status` shows the "
+        "figure and why). A number: that many, fixed",
+    )
     rollout_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -596,6 +603,14 @@ class TaskConfig(_Strict):
             )
         return value
 
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise ValueError(
+            "must be auto (sized by the server's load) or a whole number of rollouts, e.g. 16")
+
     @model_validator(mode="after")
     def _group_fits(self) -> TaskConfig:
         problems = []
@@ -626,7 +641,7 @@ class TaskConfig(_Strict):
                     "on its models' servers: use inference: server or remove roles:",
                 )
             )
-        if self.concurrency < self.group_size:
+        if self.concurrency != "auto" and self.concurrency < self.group_size:
             problems.append(
                 Problem(
                     ("concurrency",),

@@ -282,6 +282,8 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "rollouts_timeout": f.get("rollouts_timeout"),
         "groups_spooled": f.get("groups_spooled"),
         "spool_depth": f.get("spool_depth"),
+        "concurrency": f.get("concurrency"),  # rollouts it may run at once
+        "concurrency_why": f.get("concurrency_why"),  # auto: the governor's last reason
         "server_reachable": f.get("server_reachable"),
         "acks": f.get("acks") or {},
         "dropped": f.get("dropped") or {},
@@ -441,10 +443,12 @@ def header(doc: dict[str, Any]) -> Text:
 
 def clients_table(doc: dict[str, Any]) -> Table:
     t = Table(title="clients", title_justify="left",
-              caption="rollouts: trajectories; spooled: groups waiting for their ack",
+              caption="rollouts: trajectories; spooled: groups waiting for their ack; slots: "
+              "rollouts at once, and why (concurrency: auto)",
               caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
               pad_edge=False)
-    for col in ("node", "task", "state", "rev", "rollouts", "spooled", "server", "restarts"):
+    for col in ("node", "task", "state", "rev", "rollouts", "spooled", "slots", "server",
+                "restarts"):
         t.add_column(col, justify="right" if col in ("rollouts", "spooled", "restarts") else "left",
                      no_wrap=col in ("node", "state"))
     for c in doc["clients"]:
@@ -454,9 +458,17 @@ def clients_table(doc: dict[str, Any]) -> Table:
         )
         t.add_row(
             c["name"], c["task"], _state(c["state"]), c["revision"], _fmt(c["rollouts_done"]),
-            _fmt(c["spool_depth"]), server, str(c["restarts"]),
+            _fmt(c["spool_depth"]), _slots(c), server, str(c["restarts"]),
         )
     return t
+
+
+def _slots(c: dict[str, Any]) -> str:
+    """`16 trainer waits for groups`: the limit and the head of its reason."""
+    if c.get("concurrency") is None:
+        return "-"
+    why = str(c.get("concurrency_why") or "").split(" (")[0].split(";")[0]
+    return f"{c['concurrency']} {why}".strip()
 
 
 def ledger_line(ledger: dict[str, Any]) -> Text:

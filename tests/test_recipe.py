@@ -74,7 +74,7 @@ def test_quickstart_is_what_the_docs_promise() -> None:
     assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
         2,
         8,
-        8,
+        "auto",
         24,
     )
 

@@ -683,8 +683,12 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.clients": CoveredBy(
         (f"{CONTROLLER}::test_start_status_and_down_drains_clients_before_servers",)),
     "tasks.<name>.group_size": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
-    "tasks.<name>.concurrency": CoveredBy(
-        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
+    "tasks.<name>.concurrency": CoveredBy((
+        f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",
+        "tests/client/test_concurrency.py::"
+        "test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_it_waits",
+        "tests/client/test_concurrency.py::test_a_node_backs_off_to_one_group_while_the_engine_is_full",
+    )),
     "tasks.<name>.rollout_timeout_s": CoveredBy(
         (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",)),
     "tasks.<name>.runtime": CoveredBy(

@@ -66,6 +66,11 @@ class ClientMetrics:
             "1 when the last call to the model's server got an answer, else 0.",
             registry=self.registry,
         )
+        self.concurrency = Gauge(
+            "jetctl_client_concurrency",
+            "Rollouts the node may run at once (concurrency: auto moves it; else the recipe's).",
+            registry=self.registry,
+        )
         self.delivery_errors = Counter(
             "jetctl_client_delivery_errors_total",
             "Unexpected errors of the spool's sender (logged with a traceback; it goes on).",

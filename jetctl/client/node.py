@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 
+from jetctl.client.concurrency import START, Governor
 from jetctl.client.delivery import Delivery, DeliveryOptions, short_error
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.production import Producer, ProductionConfig, sleep_or
@@ -305,6 +306,10 @@ class ClientNode:
         cfg = self.config
         backends: dict[str, Backend] = {}
         renderers: dict[str, ChatRenderer] = {}
+        governor = (
+            Governor(cfg.task.group_size, start=START) if cfg.task.concurrency == "auto"
+            else None
+        )
         for model, reply in self.register_replies.items():
             renderers[model] = await _renderer(reply)
             if cfg.task.inference == "local":  # one model: the recipe refuses it for teams
@@ -316,7 +321,7 @@ class ClientNode:
                 self._local_engine = engine
                 backends[model] = engine
             else:
-                backends[model] = ServerBackend(self.transports[model])
+                backends[model] = ServerBackend(self.transports[model], governor)
         self.backend = backends[self.model]
 
         def served(name: str, model: str, role: str) -> ServedModel:
@@ -337,7 +342,8 @@ class ClientNode:
         env_module = cfg.task.env.partition(":")[0]
         agent_module = cfg.agent_spec.partition(":")[0]
         self._runner = RolloutRunner(
-            [env_module, agent_module], max_workers=cfg.task.concurrency,
+            [env_module, agent_module],
+            max_workers=governor.ceiling if governor is not None else int(cfg.task.concurrency),
             registry=self._rollout_registry,
         )
         self.producer = Producer(
@@ -348,8 +354,9 @@ class ClientNode:
             ),
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
             draining=self._draining, on_spooled=self._wake_senders,
-            local_engine=self._local_engine,
+            local_engine=self._local_engine, governor=governor,
         )
+        self.metrics.concurrency.set(self.producer.slots.limit)
 
     def _refused(self, refused: Iterable[str]) -> bool:
         """A plain revision, or `<task>/<revision>` (swap-clients --drop-old)."""
@@ -409,6 +416,7 @@ class ClientNode:
             "spool_depth": depth,
             "spool_bytes": self.spool.bytes(),
             "backpressure": self.backpressure,
+            **self._concurrency(),
             "server_reachable": reachable,
             "acks": dict(self.stats.acks),
             "dropped": dict(self.stats.dropped),
@@ -422,6 +430,17 @@ class ClientNode:
             "proxy": f"127.0.0.1:{self.proxy.port}"
             if self.proxy is not None and self.proxy.port
             else None,
+        }
+
+    def _concurrency(self) -> dict[str, Any]:
+        """The rollout limit in force and why (`auto`), for `jetctl status`."""
+        producer = self.producer
+        if not isinstance(producer, Producer):  # not serving yet, or a test's producer
+            return {}
+        governor = producer.governor
+        return {
+            "concurrency": producer.slots.limit,
+            "concurrency_why": governor.why if governor is not None else "fixed by the recipe",
         }
 
     def _write_status(self) -> None:

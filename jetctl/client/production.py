@@ -5,7 +5,8 @@
     await producer.run()    # until drained, max_groups reached or the task stream ends
 
 Tasks come from `make_env(**env_args).tasks(random.Random(seed + index))`; for each one
-`group_size` rollouts run concurrently (at most `concurrency` at once on the node, each in a
+`group_size` rollouts run concurrently (at most `concurrency` at once on the node, a number or
+sized by the server's load with `auto`, see concurrency.py; each in a
 killable process, see rollout.py) and the ok ones become a `TrajectoryGroup`. Trajectory ids
 are recorded in the spool before their rollouts start (so a killed node's are found
 `dropped(lost)`). Failed and timed-out trajectories are recorded in the spool's `dropped`
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jetctl.client.concurrency import Governor, Slots
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.proxy import Proxy
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
@@ -104,6 +106,7 @@ class Producer:
         draining: asyncio.Event,
         on_spooled: Callable[[], None],
         local_engine: Any = None,  # inference: local; refreshed between groups
+        governor: Governor | None = None,  # concurrency: auto
     ) -> None:
         self.config = config
         self.proxy = proxy
@@ -115,7 +118,8 @@ class Producer:
         self._draining = draining
         self._on_spooled = on_spooled
         self._local_engine = local_engine
-        self._semaphore = asyncio.Semaphore(config.task.concurrency)
+        self.governor = governor
+        self.slots = Slots(governor.limit if governor is not None else int(config.task.concurrency))
         self._roles = config.task.role_models  # role -> model
         self._team = bool(config.task.roles)
 
@@ -128,10 +132,12 @@ class Producer:
     async def run(self) -> None:
         cfg = self.config
         tasks = self._tasks()
-        max_inflight = math.ceil(cfg.task.concurrency / cfg.task.group_size) + 1
         inflight: dict[asyncio.Task[None], _Group] = {}
         started = 0
         while not self._draining.is_set() and (cfg.max_groups is None or started < cfg.max_groups):
+            await self._steer()
+            # enough groups queued for the rollout slots, and one more ready to start
+            max_inflight = math.ceil(self.slots.limit / cfg.task.group_size) + 1
             self.backpressure = self.spool.bytes() > cfg.task.spool_max_bytes
             if self.backpressure or len(inflight) >= max_inflight:
                 # back-pressure, or enough groups queued for the rollout slots
@@ -157,6 +163,16 @@ class Producer:
             await asyncio.wait(inflight)
             for finished, group in inflight.items():
                 self._settle(finished, group)
+
+    async def _steer(self) -> None:
+        """concurrency: auto: the governor's new limit, when it has one."""
+        if self.governor is None:
+            return
+        decision = self.governor.decide(self.slots.peak())
+        if decision is not None and decision.limit != self.slots.limit:
+            await self.slots.resize(decision.limit)
+            self.metrics.concurrency.set(decision.limit)
+            log.info("concurrency %d: %s", decision.limit, decision.why)
 
     def _start_group(self, task: Task) -> _Group:
         """The ids of a task's group: each role's part of the rollouts becomes a group for
@@ -305,7 +321,7 @@ class Producer:
 
     async def _run_rollout(self, task: Task, rollout_id: str) -> _Rollout:
         cfg = self.config
-        async with self._semaphore:
+        async with self.slots:
             self.proxy.open(rollout_id)
             roles = tuple(self._roles) if self._team else ()
             spec = RolloutSpec(

@@ -51,6 +51,7 @@ from jetctl.rundir import RunPaths, read_json
 from jetctl.tls import TlsFiles
 
 if TYPE_CHECKING:
+    from jetctl.client.concurrency import Governor
     from jetctl.client.proxy import GenerateParams, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -479,8 +480,9 @@ async def wait_for_endpoint(
 class ServerBackend:
     """The proxy's `Backend` for `inference: server`: Generate on the model's server."""
 
-    def __init__(self, transport: SwarmTransport) -> None:
+    def __init__(self, transport: SwarmTransport, governor: Governor | None = None) -> None:
         self.transport = transport
+        self.governor = governor  # concurrency: auto reads each reply's Load
 
     async def generate(self, params: GenerateParams) -> GenerateResult:
         from jetctl.client.proxy import BackendError, GenerateResult
@@ -509,6 +511,8 @@ class ServerBackend:
             raise BackendError(
                 f"Generate failed: {e.code().name}: {e.details()}", status=status
             ) from e
+        if self.governor is not None and reply.HasField("load"):
+            self.governor.observe(reply.load)
         return GenerateResult(
             completion_ids=list(reply.completion_ids),
             completion_logprobs=list(reply.completion_logprobs),

@@ -148,6 +148,7 @@ async def serve(opts: ServerOptions) -> int:
         max_new_tokens=cfg.generation.max_new_tokens,
         max_message_bytes=cfg.limits.max_message_bytes,
         engine=engine, store=store, trainer=trainer, metrics=metrics,
+        groups_per_step=cfg.train.groups_per_step,
         tokenizer_files=tokenizer_files(cfg.model),
         chat_template=tokenizer.chat_template or "",
         eos_token_ids=eos_ids,

@@ -59,6 +59,7 @@ class SwarmService:
         tokenizer_files: dict[str, bytes],
         chat_template: str,
         eos_token_ids: list[int],
+        groups_per_step: int = 1,
     ) -> None:
         self.model_name = model_name
         self.model_source = model_source
@@ -72,6 +73,7 @@ class SwarmService:
         self.tokenizer_files = tokenizer_files
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
+        self.groups_per_step = groups_per_step
         self.refused_revisions: frozenset[str] = frozenset()
         self.started = time.time()
         self.refused_calls: dict[str, int] = {}
@@ -158,6 +160,17 @@ class SwarmService:
             completion_logprobs=result.completion_logprobs,
             model_version=result.model_version,
             finish_reason=result.finish_reason,
+            load=self.load(),
+        )
+
+    def load(self) -> pb.Load:
+        """The engine's rows and queue and the trainer's backlog, as nodes size their
+        concurrency by them (jetctl.client.concurrency)."""
+        engine = self.engine.load()
+        return pb.Load(
+            engine_rows=engine.rows, engine_max_rows=engine.max_rows,
+            engine_queued=engine.queued, buffer_groups=self.store.buffer_depth,
+            groups_per_step=self.groups_per_step,
         )
 
     async def submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.SubmitReply:

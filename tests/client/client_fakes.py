@@ -58,6 +58,7 @@ class FakeSwarm(pb_grpc.SwarmServicer):
     submit_faults: list[str | None] = field(default_factory=list)
     generate_delay_s: float = 0.0
     submit_delay_s: float = 0.0  # each Submit waits this long before it stores and acks
+    load: pb.Load | None = None  # what each Generate reply says of the server's load
     generate_cancelled: int = 0  # Generate calls their caller cancelled while they waited
     stored: dict[str, pb.TrajectoryGroup] = field(default_factory=dict)
     submit_calls: list[list[str]] = field(default_factory=list)  # group ids per call
@@ -113,6 +114,7 @@ class FakeSwarm(pb_grpc.SwarmServicer):
             completion_logprobs=[-0.5] * len(ids),
             model_version=self.version,
             finish_reason=finish,
+            load=self.load,
         )
 
     async def Submit(

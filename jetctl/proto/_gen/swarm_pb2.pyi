@@ -147,16 +147,32 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("completion_ids", "completion_logprobs", "model_version", "finish_reason")
+    __slots__ = ("completion_ids", "completion_logprobs", "model_version", "finish_reason", "load")
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
     model_version: int
     finish_reason: str
-    def __init__(self, completion_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., model_version: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    load: Load
+    def __init__(self, completion_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., model_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("engine_rows", "engine_max_rows", "engine_queued", "buffer_groups", "groups_per_step")
+    ENGINE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    engine_rows: int
+    engine_max_rows: int
+    engine_queued: int
+    buffer_groups: int
+    groups_per_step: int
+    def __init__(self, engine_rows: _Optional[int] = ..., engine_max_rows: _Optional[int] = ..., engine_queued: _Optional[int] = ..., buffer_groups: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("groups",)

@@ -42,6 +42,15 @@ class GenResult:
     finish_reason: str  # stop | length
 
 
+@dataclass
+class EngineLoad:
+    """How full the engine is now (the Generate reply carries it to the nodes)."""
+
+    rows: int = 0  # replies being generated
+    max_rows: int = 0  # the most it generates together (0: it does not say)
+    queued: int = 0  # requests waiting for a row
+
+
 class Engine(Protocol):
     @property
     def busy_since(self) -> float | None:
@@ -52,6 +61,10 @@ class Engine(Protocol):
 
     async def stop(self) -> None:
         """Fail queued requests with an error and release the engine's workers."""
+
+    def load(self) -> EngineLoad:
+        """Rows in use and requests waiting, read without a lock (a snapshot)."""
+        ...
 
     async def generate(self, req: GenRequest) -> GenResult:
         """One completion of `req`, at one model version."""

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jetctl.server.engines.base import GenRequest, GenResult
+from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 from jetctl.server.engines.hf import HFEngine
 from jetctl.server.engines.replica import Replica
 
@@ -185,6 +185,11 @@ class ContinuousEngine:
         return min(starts, default=None)
 
     # --- generation ------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """Requests in flight; transformers' manager batches them as it sees fit (no row
+        count or queue of its own is exposed)."""
+        return EngineLoad(rows=len(self._pending))
 
     async def generate(self, req: GenRequest) -> GenResult:
         assert self._manager is not None and self._loop is not None, "engine not started"

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from jetctl.server.engines.base import GenRequest, GenResult
+from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 
 log = logging.getLogger("jetctl.server.engine")
 
@@ -215,6 +215,9 @@ class HFEngine:
             p.finish(error)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self._rows), self.max_batch_size, len(self._incoming))
 
     async def generate(self, req: GenRequest) -> GenResult:
         if self._thread is None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from jetctl.server import weights as W
-from jetctl.server.engines.base import GenRequest, GenResult
+from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 from jetctl.server.engines.replica import PublishError
 
 if TYPE_CHECKING:
@@ -169,6 +169,10 @@ class VLLMEngine:
         return min(self._in_flight.values(), default=None)
 
     # --- generation ------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """Requests in flight; vLLM schedules them itself (max_num_seqs at once)."""
+        return EngineLoad(rows=len(self._in_flight))
 
     async def generate(self, req: GenRequest) -> GenResult:
         from vllm import SamplingParams
