@@ -44,6 +44,8 @@ import yaml
 WINDOW = 20  # groups in the rolling reward (10 batches of the quickstart's 2 groups)
 THRESHOLDS = (0.5, 0.8)
 FINAL_GROUPS = 32  # the final reward: mean of the last this many groups
+SPREAD_ROWS = ("seconds per step", "reward >= 0.5 at (s)", "reward >= 0.8 at (s)",
+               f"reward, last {FINAL_GROUPS} groups")
 
 
 @dataclass
@@ -371,6 +373,20 @@ def median_or_none(xs: list[float | None]) -> float | None:
     return statistics.median(vals)
 
 
+def _seed_ratio(loop_s: list[float | None], swarm_s: list[float | None]) -> str:
+    """One seed's swarm/loop time to a reward: '-' where neither got there, 'inf' where only
+    the loop did, '0' where only the swarm did."""
+    a = loop_s[0] if loop_s else None
+    b = swarm_s[0] if swarm_s else None
+    if a is None and b is None:
+        return "-"
+    if b is None:
+        return "inf"
+    if a is None:
+        return "0"
+    return f"{b / a:.2f}"
+
+
 def _reach(threshold: float) -> Any:
     return lambda r: r.reach_s[f"{threshold:g}"]
 
@@ -422,13 +438,25 @@ def render(results: list[RunFigures]) -> Any:
                 vals = [get(r) for r in runs]
                 meds[m] = median_or_none(vals)
                 text = "-" if meds[m] is None else fmt.format(meds[m])
-                if len(runs) > 1 and "reward >=" in label:
-                    text += " (" + ",".join("-" if v is None else f"{v:.0f}" for v in vals) + ")"
+                if len(runs) > 1 and label in SPREAD_ROWS:  # the spread: every seed's value
+                    text += " (" + ",".join("-" if v is None else fmt.format(v) for v in vals) + ")"
                 cells.append(text)
             if len(modes) == 2:
                 a, b = meds["loop"], meds["swarm"]
                 cells.append(f"{b / a:.2f}x" if a and b is not None and "%" not in fmt else "")
         table.add_row(label, *cells)
+    for thr in THRESHOLDS:  # seed by seed: the swarm's time to reward over the loop's
+        if len(modes) < 2:
+            break
+        cells = []
+        for lat in latencies:
+            ratios = []
+            for seed in seeds:
+                loop_s = [_reach(thr)(r) for r in pick(lat, "loop") if r.seed == seed]
+                swarm_s = [_reach(thr)(r) for r in pick(lat, "swarm") if r.seed == seed]
+                ratios.append(_seed_ratio(loop_s, swarm_s))
+            cells += ["", "", ",".join(ratios)]
+        table.add_row(f"reward >= {thr:g}, swarm/loop by seed", *cells)
     ledgers = [f"{r.mode} {r.latency_s:g}s seed {r.seed}: {r.ledger}" for r in results if r.ledger]
     from rich.console import Group
     from rich.text import Text

@@ -85,3 +85,32 @@ def test_a_process_read_before_its_exec_takes_its_role_once_it_has_one() -> None
     child.argv, child.user = [*PY, "server", "--model", "policy"], 50.0
     sampler.sample([child])
     assert sampler.totals() == {"server": 50.0}
+
+
+def test_the_table_shows_each_seed_and_the_swarm_over_the_loop_seed_by_seed() -> None:
+    """Medians with every seed's value beside them, and a row of per-seed ratios of the
+    time to each reward (one seed where the swarm never got there reads 'inf')."""
+    from rich.console import Console
+
+    from jetctl.bench.loop import render
+
+    def run(mode: str, seed: int, reach8: float | None) -> object:
+        # rolling reward: 0.9 from the time given on (20 groups of 0.9 after it), else 0.1
+        at = reach8 if reach8 is not None else 1e9
+        groups = [{"t": float(t), "reward": 0.9 if t >= at else 0.1, "n": 8,
+                   "informative": True} for t in range(1, 200)]
+        return figures(mode, 2.0, seed, wall_s=200.0, groups=groups,
+                       step_times=[10.0, 20.0, 30.0], train=[], gen_batches=[],
+                       staleness=[], cpu_s={})
+
+    results = [run("loop", 0, 100.0), run("swarm", 0, 40.0), run("loop", 1, 80.0),
+               run("swarm", 1, None), run("loop", 2, 100.0), run("swarm", 2, 60.0)]
+    console = Console(width=250, record=True)
+    console.print(render(results))  # type: ignore[arg-type]
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "0.8, swarm/loop by seed" in line)
+    # 0.8 over 20 groups needs 18 of them at 0.9: 17 s after the switch
+    assert "0.49,inf,0.66" in row.replace(" ", "")
+    row = next(line for line in text.splitlines() if "reward >= 0.8 at (s)" in line)
+    assert "117(117,97,117)" in row.replace(" ", "")  # the loop: median and each seed
+    assert "67(57,-,77)" in row.replace(" ", "")
