@@ -168,3 +168,32 @@ def test_a_reward_that_raises_fails_the_rollout_it_is_not_a_zero(tmp_path: Path)
     assert bad.status == "failed"
     assert bad.error_type == "RewardError"
     assert "no grader for 'What is 6 + 1?'" in bad.error
+
+
+def test_a_messages_column_and_an_agent_that_submits_the_whole_conversation(tmp_path: Path) -> None:
+    rows = [{"chat": [{"role": "user", "content": "2 + 2?"}], "answer": 4}]
+    env = make_env(path=str(write_jsonl(tmp_path / "chats.jsonl", rows)), messages_column="chat")
+    task = env.task(0)
+    assert task.prompt == "2 + 2?"
+    session = env.open(task)
+    session.submit([*task.data["messages"], {"role": "assistant", "content": "<answer>5</answer>"},
+                    {"role": "user", "content": "Check again."},
+                    {"role": "assistant", "content": "<answer>4</answer>"}])
+    assert session.completion == "<answer>4</answer>"  # the last reply is scored
+    assert session.reward() == 1.0
+    with pytest.raises(DatasetError, match="without an answer"):
+        env.open(task).reward()
+
+
+def test_the_shipped_recipe_holds_out_80_of_its_400_rows() -> None:
+    from jetctl.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[2]
+    task = load_recipe(root / "recipes" / "word-problems.yaml", env={}).tasks["word_problems"]
+    args = {**task.env_args, "path": str(root / str(task.env_args["path"]))}
+    train, test = make_env(**args), make_env(**{**args, "split": "test"})
+    assert (len(train.rows), len(test.rows)) == (320, 80)
+    assert not {r["question"] for r in train.rows} & {r["question"] for r in test.rows}
+    task0 = test.task(0)
+    assert task0.prompt.endswith("Answer as <answer>N</answer>.")
+    assert len(task0.data["messages"]) == 5  # two worked exchanges, then the question
