@@ -190,14 +190,15 @@ class DockerRuntime(Runtime):
 
     def __init__(
         self, run_dir: Path, client: DockerClient | None = None,
-        extra_mounts: tuple[Mount, ...] = (),
+        extra_mounts: tuple[Mount, ...] = (), extra_env: dict[str, str] | None = None,
     ) -> None:
-        """`extra_mounts`: given to every container of the run (tests' fake nodes, an agent
-        under development); read-only unless said."""
+        """`extra_mounts` and `extra_env`: given to every container of the run (tests' fake
+        nodes, an agent under development on PYTHONPATH); mounts read-only unless said."""
         self.run_dir = Path(run_dir).resolve()
         self.paths = RunPaths(self.run_dir)
         self.client = client if client is not None else docker_client()
         self.extra_mounts = extra_mounts
+        self.extra_env = dict(extra_env or {})
         self._lock = (
             threading.Lock()
         )  # the SDK's HTTP session is shared by the controller's threads
@@ -289,6 +290,7 @@ class DockerRuntime(Runtime):
             "PYTHONDONTWRITEBYTECODE": "1",  # the root filesystem is read-only
             "HOME": "/tmp",  # the tmpfs: the only place to write besides the spool
             "JETCTL_LOG": str(spec.log_path),
+            **self.extra_env,
             **spec.env,
         }
         labels = {
