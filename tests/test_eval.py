@@ -127,3 +127,35 @@ def test_the_cli_prints_json_keyed_by_checkpoint_and_a_side_by_side_table(tmp_pa
     assert "latest - base" in table.stdout and "(95%)" in table.stdout
     missing = CliRunner().invoke(app, ["eval", str(run_dir), "--checkpoint", "step-9"])
     assert missing.exit_code == 1 and "no complete checkpoint step-9" in missing.output
+
+
+def test_sharing_the_prompts_common_prefix_gives_the_same_replies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One prefix forward repeated per row against whole left-padded prompts (greedy, a
+    randomised builtin:tiny so the replies differ by row)."""
+    import jetctl.eval as ev
+
+    run_dir = make_run(tmp_path)
+    source = open_source(run_dir)
+    task = source.recipe.tasks["scored"]
+    model, tokenizer = ev.load_at(source.recipe.models["policy"],
+                                  ev.find_checkpoint(source, "policy", "latest"))
+    runner = ev.Runner(model, tokenizer, task, seed=0)
+    opening = [{"role": "system", "content": "reply with the digit please answer the question"},
+               {"role": "user", "content": "what is 3"}, {"role": "assistant", "content": "3"}]
+    prompts = [tokenizer.apply_chat_template(
+        [*opening, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"] for q in ("what is 7", "reply with the number 12 please", "add 1")]
+    assert len(ev._common_prefix(prompts)) >= ev.MIN_SHARED_PREFIX
+
+    def replies() -> list[list[int]]:
+        calls = [ev._Call(list(p), 8, 0.0, 1.0) for p in prompts]
+        runner._generate(calls)
+        return [c.completion_ids for c in calls]
+
+    shared = replies()
+    monkeypatch.setattr(ev, "MIN_SHARED_PREFIX", 10**9)  # whole prompts, padded
+    whole = replies()
+    assert shared == whole
+    assert len({tuple(r) for r in whole}) > 1, "the rows' replies differ: the test can fail"
