@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jetctl.client.rollout import read_reward
@@ -374,6 +375,25 @@ def evaluate(
 
 def _chunks(n: int, size: int) -> Iterator[int]:
     return iter(range(0, n, size))
+
+
+def results_path(run_dir: Path, step: int, split: str) -> Path:
+    """Where `jetctl eval` keeps a run's figures at a step (read by the export's model card).
+    (A run-dir path outside jetctl/rundir.py: it belongs there, with the other paths.)"""
+    return run_dir / "eval" / f"step-{step}.{split}.json"
+
+
+def save_results(source: RunSource, report: dict[str, dict[str, TaskFigures]], split: str) -> None:
+    """Each checkpoint's figures beside the run (nothing when the recipe has no run dir)."""
+    from jetctl.rundir import write_json_atomic
+
+    if source.run_dir is None:
+        return
+    for tasks in as_json(report).values():
+        step = next(iter(tasks.values()))["step"]
+        path = results_path(source.run_dir, step, split)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, tasks)
 
 
 def as_json(report: dict[str, dict[str, TaskFigures]]) -> dict[str, Any]:

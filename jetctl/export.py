@@ -87,6 +87,25 @@ def _last_step_figures(source: RunSource, model: str, step: int) -> dict[str, An
     return best
 
 
+def _eval_lines(source: RunSource, step: int) -> list[str]:
+    """A markdown table of what `jetctl eval` saved for the base model and this step."""
+    from jetctl.eval import results_path
+    from jetctl.rundir import read_json
+
+    if source.run_dir is None:
+        return ["- (not evaluated)"]
+    rows = ["| checkpoint | split | task | pass@1 | pass@k | mean reward | well-formed | samples |",
+            "|---|---|---|---|---|---|---|---|"]
+    for label, at in (("base", 0), (f"step-{step}", step)):
+        for path in sorted(results_path(source.run_dir, at, "*").parent.glob(f"step-{at}.*.json")):
+            split = path.name.split(".")[1]
+            for task, f in (read_json(path) or {}).items():
+                rows.append(f"| {label} | {split} | {task} | {f['pass_at_1']:.3f} | "
+                            f"{f['pass_at_k']:.3f} | {f['mean_reward']:.3f} | "
+                            f"{f['well_formed']:.3f} | {f['samples']} |")
+    return rows if len(rows) > 2 else ["- (not evaluated: run `jetctl eval` before exporting)"]
+
+
 def model_card(source: RunSource, exported: Exported) -> str:
     cfg = source.recipe.models[exported.model]
     figures = _last_step_figures(source, exported.model, exported.checkpoint.step)
@@ -114,6 +133,8 @@ def model_card(source: RunSource, exported: Exported) -> str:
     lines += ["## Training figures at this step", ""]
     lines += [f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}"
               for k, v in sorted(shown.items())] or ["- (no step log found)"]
+    lines += ["", "## Eval figures (held-out rows, `jetctl eval`)", ""]
+    lines += _eval_lines(source, exported.checkpoint.step)
     lines += ["", "Evaluate with `jetctl eval RUN_DIR --checkpoint base,latest --split test`.",
               "", "## Load", "", load, ""]
     return "\n".join(lines)

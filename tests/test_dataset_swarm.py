@@ -87,3 +87,6 @@ def test_a_dataset_task_trains_and_its_checkpoint_is_evaluated_and_exported(tmp_
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
+    card = (exported / "README.md").read_text()
+    step = report["latest"]["rows"]["step"]
+    assert f"| step-{step} | test | rows | " in card and "| base | test | rows | " in card

@@ -67,6 +67,7 @@ def register(app: typer.Typer) -> None:
                                      batch=batch, seed=seed, on_progress=progress)
         except (TrainedError, DatasetError) as exc:
             fail(str(exc))
+        ev.save_results(source, report, split)
         if as_json:
             typer.echo(json.dumps(ev.as_json(report), indent=1))
             return
