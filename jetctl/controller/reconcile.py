@@ -412,7 +412,8 @@ class Reconciler:
         if tls is not None:
             for path in tls.needed("client"):
                 target = CONTAINER_TLS_DIR / path.name if self._isolated(node) else path
-                mounts.append(Mount(path.resolve(), read_only=True, target=target))
+                mounts.append(Mount(path.resolve(), read_only=True, target=target,
+                                    private=path.suffix == ".key"))
         reach: tuple[int, ...] = ()
         if task.network == "isolated":
             reach = (_port(self.control), *self._server_ports(node).values())

@@ -47,7 +47,8 @@ TMP_BYTES = 256 << 20  # the runtime's default /tmp tmpfs
 
 def recipe() -> dict[str, Any]:
     return {
-        "run": {"name": "hostile", "restart_backoff_s": 0.5},
+        # mtls: the container gets the client's files, never a key of the server or the CA
+        "run": {"name": "hostile", "restart_backoff_s": 0.5, "tls": {"mode": "mtls"}},
         "models": {"policy": {
             "model": "builtin:tiny", "finetune": "full", "optimizer": {"lr": 2.0e-3},
             "train": {"groups_per_step": 1, "max_staleness": 4},
@@ -117,7 +118,8 @@ def test_a_hostile_agent_is_contained_and_the_run_keeps_training(
     r = Running(ctl).start()
     report_path = run_dir / "containers" / "digits-0" / "spool" / "attack.json"
     try:
-        server = ServerProbe(f"127.0.0.1:{ctl.state.nodes['server-policy'].port}", ctl.token)
+        server = ServerProbe(f"127.0.0.1:{ctl.state.nodes['server-policy'].port}", ctl.token,
+                             tls=ctl.tls)
 
         def version() -> int:
             status = server.status()
@@ -151,6 +153,7 @@ def test_a_hostile_agent_is_contained_and_the_run_keeps_training(
         "digits-0.sqlite", "digits-0.sqlite-wal", "digits-0.sqlite-shm", "digits-0.rollouts",
         "attack.json",  # its own report
     }, report["spool_listing"]
+    assert report["tls_listing"] == ["ca.pem", "client.key", "client.pem"], report
     # admin calls and another node's calls are refused; its own Sync is not
     control = report["control"]
     for call in ("Down", "SwapClients", "Status", "Sync_as_other", "Join_as_other"):
@@ -178,6 +181,9 @@ def test_a_hostile_agent_is_contained_and_the_run_keeps_training(
         str(run_dir / "spool"): (str(run_dir / "containers" / "digits-0" / "spool"), True),
         str(run_dir / "logs" / "digits-0.log"): (str(run_dir / "logs" / "digits-0.log"), True),
         "/opt/hostile": (str(agent_dir), False),
+        **{f"/run/jetctl/tls/{f}": (str(run_dir / "tls" / f), False) for f in ("ca.pem", "client.pem")},
+        "/run/jetctl/tls/client.key": (
+            str(run_dir / "containers" / "digits-0" / "secrets" / "client.key"), False),
     }, mounts
     host = attrs["HostConfig"]
     assert host["CapDrop"] == ["ALL"] and host["ReadonlyRootfs"] is True

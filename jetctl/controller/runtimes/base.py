@@ -32,6 +32,9 @@ class Mount:
     source: Path
     read_only: bool = True
     target: Path | None = None
+    # a secret of the node's (its TLS key): a copy owned by the container's user, mode
+    # 0600, in the node's own folder, is mounted (read-only) instead of the host's file
+    private: bool = False
 
     @property
     def at(self) -> Path:

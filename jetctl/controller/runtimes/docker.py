@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jetctl import auth
 from jetctl.controller.runtimes.base import (
     ContainerSpec,
     Mount,
@@ -359,8 +360,20 @@ class DockerRuntime(Runtime):
             str(spec.log_path): {"bind": str(spec.log_path), "mode": "rw"},
         }
         for m in (*c.mounts, *self.extra_mounts):
-            volumes[str(m.source)] = {"bind": str(m.at), "mode": "ro" if m.read_only else "rw"}
+            source = self._private_copy(spec.name, m.source, uid, gid) if m.private else m.source
+            volumes[str(source)] = {"bind": str(m.at), "mode": "ro" if m.read_only else "rw"}
         return volumes
+
+    def _private_copy(self, node: str, source: Path, uid: int, gid: int) -> Path:
+        """`source` copied to `<run>/containers/<node>/secrets/` (never mounted whole), 0600
+        and owned by the container's user, who may not be the host file's owner."""
+        copy = self.paths.containers / node / "secrets" / source.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(copy.parent, 0o700)
+        auth.write_private(copy, source.read_bytes())
+        os.chown(copy, uid, gid)
+        os.chown(copy.parent, uid, gid)
+        return copy
 
     def poll(self, handle: NodeHandle) -> NodeState:
         import docker

@@ -4,8 +4,8 @@ On its first rollout in a container it tries what code in a client container mus
 able to do, and writes what happened to `attack.json` in its node's spool folder (the one
 place it may write that the test can read), after each attempt; then, and on every other
 rollout, it plays the digits task like `agents.digits`. Every attempt records an outcome
-string; the test decides what counts as contained. The fork bomb takes every pid the
-container has for a few seconds, and the node's own rollout forkserver, forking then, may
+string; the test decides what counts as contained. The fork bomb, last, takes every pid
+the container has for a few seconds: the node's own rollout forkserver or this rollout may
 die of it (that node's later rollouts fail: its own loss, not the run's).
 
 Its settings come from `target.json` beside it (mounted read-only): the host port of a
@@ -18,7 +18,6 @@ import errno
 import json
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,15 @@ def _attempt_write(path: Path) -> str:
     return "WRITTEN"
 
 
+def _channel(target: str) -> Any:
+    """A channel as the node dials: over the run's TLS (its files where the node has them)."""
+    from jetctl.tls import TlsFiles, channel
+
+    mode = os.environ.get("JETCTL_TLS_MODE", "off")
+    folder = Path(os.environ.get("JETCTL_TLS_DIR", "/nonexistent"))
+    return channel(target, TlsFiles(mode, folder) if mode in ("tls", "mtls") else None)  # type: ignore[arg-type]
+
+
 def _control_calls(control: str, token: str, me: str) -> dict[str, str]:
     """Admin calls with the node's own credential, and another node's Sync."""
     import grpc
@@ -62,7 +70,7 @@ def _control_calls(control: str, token: str, me: str) -> dict[str, str]:
         "Sync_as_self": cpb.SyncRequest(name=me, kind="client", task="digits"),
     }
     out: dict[str, str] = {}
-    with grpc.insecure_channel(control) as ch:
+    with _channel(control) as ch:
         stub = cgrpc.ControlStub(ch)
         for name, request in calls.items():
             method = name.split("_")[0]
@@ -87,7 +95,7 @@ def _server_calls(endpoint: str, token: str) -> dict[str, str]:
     from jetctl.proto._gen import swarm_pb2 as pb
     from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(endpoint) as ch:
+    with _channel(endpoint) as ch:
         try:
             pb_grpc.SwarmStub(ch).Status(pb.StatusRequest(), metadata=bearer(token), timeout=5)
             return {"Status": "OK"}
@@ -104,8 +112,9 @@ def _connect(host: str, port: int) -> str:
 
 
 _BOMB = """
-import errno, os, sys, time
-limit, forks, error = int(sys.argv[1]), 0, ""
+import errno, json, os, sys, time
+limit, out = int(sys.argv[1]), sys.argv[2]
+forks, error = 0, ""
 while forks < limit * 4:
     try:
         pid = os.fork()
@@ -116,20 +125,41 @@ while forks < limit * 4:
         time.sleep(3.0)
         os._exit(0)
     forks += 1
-print(forks, error, flush=True)
+report = json.load(open(out))
+report["fork_bomb"] = {"forks": forks, "error": error}
+report["done"] = True
+with open(out + ".tmp", "w") as f:
+    json.dump(report, f, indent=1)
+os.replace(out + ".tmp", out)
 """
 
 
-def _fork_bomb(limit: int) -> dict[str, Any]:
+def _fork_bomb(limit: int, out: Path) -> None:
     """Fork until the kernel says no (each child sleeps, then exits): bounded by pids. In a
-    process of its own, so that the agent lives to write the report."""
+    process of its own, which writes its result into the report itself: the pids it takes
+    may cost this process (a thread it cannot start) its life."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _BOMB, str(limit)], capture_output=True,
-                          text=True, timeout=60, check=False)
-    forks, _, error = done.stdout.strip().partition(" ")
-    return {"forks": int(forks or -1), "error": error, "stderr": done.stderr[-500:]}
+    subprocess.run([sys.executable, "-c", _BOMB, str(limit), str(out)], timeout=60,
+                   check=False)
+
+
+def _calls_in_a_process(control: str, token: str, me: str, server: str) -> dict[str, Any]:
+    """The gRPC attempts, in a process of their own: gRPC's threads end with it, before the
+    fork bomb."""
+    import subprocess
+    import sys
+
+    script = ("import json, sys, hostile_agent as h; "
+              "print(json.dumps({'control': h._control_calls(*sys.argv[1:4]), "
+              "'server': h._server_calls(sys.argv[4], sys.argv[2])}))")
+    done = subprocess.run([sys.executable, "-c", script, control, token, me, server],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        return {"control": {"error": done.stderr[-1000:]}, "server": {}}
+    calls: dict[str, Any] = json.loads(done.stdout)
+    return calls
 
 
 def _fill_disk() -> dict[str, Any]:
@@ -184,6 +214,8 @@ def attack(out: Path) -> None:
                      "received.sqlite")
     })
     record("spool_listing", sorted(p.name for p in (run_dir / "spool").iterdir()))
+    tls_dir = Path(os.environ.get("JETCTL_TLS_DIR", "/nonexistent"))
+    record("tls_listing", sorted(p.name for p in tls_dir.iterdir()) if tls_dir.is_dir() else [])
     record("write", {
         "checkpoint": _attempt_write(
             run_dir / "checkpoints" / "policy" / "step-99999999" / "optimizer.pt"),
@@ -195,12 +227,10 @@ def attack(out: Path) -> None:
         "controller": _connect(gateway, int(control.rsplit(":", 1)[1])),
     })
     record("disk", _fill_disk())
-    # before gRPC has threads in this process: a thread it cannot start aborts it
-    record("fork_bomb", _fork_bomb(int(target["pids"])))
-    time.sleep(4.0)  # the bomb's children exit, their pids come back
-    record("control", _control_calls(control, token, log.stem))
-    record("server", _server_calls(override["policy"], token))
-    record("done", True)
+    calls = _calls_in_a_process(control, token, log.stem, override["policy"])
+    record("control", calls["control"])
+    record("server", calls["server"])
+    _fork_bomb(int(target["pids"]), out)  # last; it adds its result and `done`
 
 
 def agent(task: Task, llm: LLM, session: Any) -> None:
