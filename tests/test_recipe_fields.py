@@ -709,6 +709,12 @@ ROWS: dict[str, Row] = {
         f"{DOCKER}::test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes",
         "tests/test_recipe.py::test_docker_socket_needs_the_docker_runtime",
     )),
+    "tasks.<name>.network": CoveredBy((
+        "tests/security/test_container_network.py::test_an_isolated_task_dials_the_gateway_with_its_own_credential",
+        "tests/security/test_container_network.py::test_network_host_is_the_hosts_network",
+        "tests/security/test_container_network.py::test_network_needs_the_docker_runtime",
+        "tests/security/test_hostile_client.py::test_a_hostile_agent_is_contained_and_the_run_keeps_training",
+    )),
     "tasks.<name>.inference": CoveredBy(
         ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",)),
     "tasks.<name>.sampling.temperature": CoveredBy(
