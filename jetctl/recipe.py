@@ -42,6 +42,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticUndefined
 
+from jetctl.server.algorithms import AlgorithmName  # the registry (imports no torch)
+
 # --------------------------------------------------------------------------- schema
 
 
@@ -139,8 +141,12 @@ class OptimizerConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    algorithm: Literal["grpo"] = Field(
-        default="grpo", description="policy-gradient algorithm (GRPO: group-normalised advantages)"
+    algorithm: AlgorithmName = Field(
+        default="grpo",
+        description="policy-gradient algorithm, one file each in jetctl/server/algorithms/: "
+        "grpo (group-normalised advantages, PPO-clip, token mean), dr_grpo (no std "
+        "normalisation, constant normaliser), dapo (clip-higher: clip_eps_high), gspo "
+        "(sequence-level ratio and clip), rloo (leave-one-out baseline)",
     )
     groups_per_step: int = Field(default=2, ge=1, description="groups in one optimizer step")
     max_staleness: int = Field(
@@ -157,6 +163,17 @@ class TrainConfig(_Strict):
     )
     clip_eps: float = Field(
         default=0.2, gt=0, description="epsilon of PPO-clip: ratio clipped to [1 - eps, 1 + eps]"
+    )
+    clip_eps_high: float | None = Field(
+        default=None, gt=0,
+        description="algorithm dapo: the upper clip range eps_high, ratio clipped to "
+        "[1 - clip_eps, 1 + clip_eps_high] (null: DAPO's 0.28)",
+    )
+    tis_cap: float | None = Field(
+        default=None, ge=1,
+        description="truncated importance sampling, with any algorithm: weight each token by "
+        "min(exp(logp_trainer - logp_engine), tis_cap), correcting the gap between the "
+        "engine's and the trainer's logprobs (null: off; e.g. 2.0)",
     )
     kl_coef: float = Field(
         default=0.0,
@@ -419,6 +436,7 @@ class ModelConfig(_Strict):
                     "reserves nothing): remove it or set runtime: ray",
                 )
             )
+        problems += _algorithm_problems(self.train)
         if "mix_wait_s" in self.train.model_fields_set and not self.train.mix:
             problems.append(
                 Problem(
@@ -867,6 +885,26 @@ def _recipe_problems(
     return problems
 
 
+def _algorithm_problems(train: TrainConfig) -> list[Problem]:
+    """Clip settings the chosen algorithm would not read are refused, not ignored."""
+    problems: list[Problem] = []
+    if train.clip_eps_high is not None and train.algorithm != "dapo":
+        problems.append(Problem(
+            ("train", "clip_eps_high"), train.clip_eps_high,
+            f"only applies with algorithm: dapo (its decoupled upper clip range; "
+            f"{train.algorithm} clips to [1 - clip_eps, 1 + clip_eps]): remove it or set "
+            "algorithm: dapo",
+        ))
+    if train.algorithm == "gspo" and "clip_eps" in train.model_fields_set:
+        problems.append(Problem(
+            ("train", "clip_eps"), train.clip_eps,
+            "gspo clips its sequence-level ratio to its own range [1 - 3e-4, 1 + 4e-4] "
+            "(Zheng et al. 2025); clip_eps is the token ratio's range of grpo, dr_grpo, dapo "
+            "and rloo: remove it",
+        ))
+    return problems
+
+
 def _mix_problems(
     models: Mapping[str, ModelConfig], tasks: Mapping[str, TaskConfig]
 ) -> list[Problem]:
@@ -1288,7 +1326,11 @@ def _describe(kind: str, loc: _Loc, ctx: dict[str, Any], value: object, msg: str
         text = f"must be {_BOUNDS[kind]} {bound}"
         return f"{text} ({why})" if why else text
     if kind == "literal_error":
-        return f"must be one of {ctx['expected']}"
+        info = owner.model_fields.get(key) if owner is not None else None
+        choices = _literal_choices(info.annotation) if info is not None else []
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"must be one of {ctx['expected']}{hint}"
     if kind == "value_error":
         return str(ctx.get("error", msg))
     if kind == "string_type":
@@ -1302,6 +1344,13 @@ def _describe(kind: str, loc: _Loc, ctx: dict[str, Any], value: object, msg: str
             return "a recipe must be a mapping with run:, models: and tasks:"
         return _TYPES[kind]
     return msg[:1].lower() + msg[1:]
+
+
+def _literal_choices(annotation: Any) -> list[str]:
+    """The values of a Literal field (of the Literal inside `Literal[...] | None` too)."""
+    if get_origin(annotation) is Literal:
+        return [str(c) for c in get_args(annotation)]
+    return [c for arg in get_args(annotation) for c in _literal_choices(arg)]
 
 
 def _unknown_key(key: str, owner: type[BaseModel], parent: _Loc) -> str:

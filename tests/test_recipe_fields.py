@@ -17,6 +17,7 @@ be silently ignored: give it an effect, or refuse it in the schema until it has 
 from __future__ import annotations
 
 import ast
+import math
 import socket
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def tiny(**fields: Any) -> ModelConfig:
 
 
 def load(cfg: ModelConfig) -> Any:
-    from jetctl.server.trainer import load_trainable
+    from jetctl.server.step import load_trainable
 
     model, _ = load_trainable(cfg, attn_implementation="sdpa")
     return model
@@ -282,9 +283,22 @@ def optimizer_max_grad_norm(tmp_path: Path) -> None:
     assert moved[1.0] > 1e-3 and moved[1e-14] < 1e-4
 
 
-def train_algorithm(_: Path) -> None:
+def train_algorithm(tmp_path: Path) -> None:
+    """Each algorithm's formula: tests/server/test_algorithms.py; learning: ..._learn.py."""
+    from tests.server.trainer_support import step, submit
+
     assert recipe().models["policy"].train.algorithm == "grpo"
-    refused("must be one of 'grpo'", models={"policy": {"train": {"algorithm": "rloo"}}})
+    refused("did you mean 'rloo'?", models={"policy": {"train": {"algorithm": "rlo"}}})
+    losses = {}
+    for name in ("grpo", "rloo"):  # rewards 0, 1, 0.5: A = -1.22, 1.22, 0 vs -0.75, 0.75, 0
+        trainer = make_trainer(tmp_path / name, tiny(finetune="full", train=TrainConfig(
+            groups_per_step=1, algorithm=name)))
+        assert trainer.algorithm.name == name
+        submit(trainer, rewards=(0.0, 1.0, 0.5))
+        scalars = step(trainer)
+        assert scalars is not None
+        losses[name] = scalars["loss"]
+    assert losses["grpo"] != losses["rloo"]
 
 
 def train_mix(_: Path) -> None:
@@ -316,23 +330,56 @@ def train_groups_per_step(tmp_path: Path) -> None:
     assert scalars is not None and scalars["groups"] == 2
 
 
-def clip_fraction(clip_eps: float) -> float:
-    from jetctl.server import merge
-    from jetctl.server.trainer import accumulate_gradients
+def shifted_step(train: TrainConfig, shift: float) -> dict[str, float]:
+    """The scalars of one step on builtin:tiny whose behaviour logprobs are the model's own
+    plus `shift` (shift > 0: the engine liked these tokens more, ratio exp(-shift))."""
+    from jetctl.server import algorithms, merge
+    from jetctl.server.step import token_logprobs, train_step
     from tests.factories import make_group
 
     model = load(tiny(finetune="full"))
     g = make_group(prompt=(11, 12, 13), completion=(14, 15, 16, 17))
     mbs = merge.pack(merge.timeline_sequences(g.trajectories[1], 1.0, "off"), "off", 8192)
     with torch.no_grad():
-        now = merge.token_logprobs(model, mbs[0])
-    mbs[0].old_logprobs = now + 0.3  # the behaviour policy liked these tokens more: ratio 0.74
-    acc = accumulate_gradients(model, mbs, TrainConfig(clip_eps=clip_eps))
-    return acc.stats[0][1].clip_fraction
+        now = token_logprobs(model, mbs[0])
+    for t in g.trajectories:
+        t.calls[0].completion_logprobs = (now + shift).tolist()
+    result = train_step(model, [g.trajectories], train, algorithms.make(train), max_grad_norm=1.0)
+    return result.scalars
+
+
+def clip_fraction(clip_eps: float) -> float:
+    # the behaviour policy liked these tokens more: ratio 0.74
+    return shifted_step(TrainConfig(clip_eps=clip_eps), 0.3)["clip_fraction"]
 
 
 def train_clip_eps(_: Path) -> None:
     assert clip_fraction(0.2) == 1.0 and clip_fraction(0.5) == 0.0
+    refused("gspo clips its sequence-level ratio to its own range",
+            models={"policy": {"train": {"algorithm": "gspo", "clip_eps": 0.3}}})
+
+
+def train_clip_eps_high(_: Path) -> None:
+    # ratio e^0.3 = 1.35 with dapo: clipped under DAPO's 0.28, not under 0.4
+    def clipped(high: float | None) -> float:
+        return shifted_step(TrainConfig(algorithm="dapo", clip_eps_high=high), -0.3)[
+            "clip_fraction"]
+
+    assert clipped(None) == 1.0 and clipped(0.4) == 0.0
+    refused("only applies with algorithm: dapo",
+            models={"policy": {"train": {"clip_eps_high": 0.3}}})
+
+
+def train_tis_cap(_: Path) -> None:
+    # engine logprobs 0.3 above the trainer's: every w_t = exp(-0.3); 0.3 below: capped at 1.2
+    assert "tis/weight_mean" not in shifted_step(TrainConfig(), 0.3)
+    below = shifted_step(TrainConfig(tis_cap=2.0), 0.3)
+    assert below["tis/weight_mean"] == pytest.approx(math.exp(-0.3), rel=1e-5)
+    assert below["tis/truncated"] == 0.0
+    above = shifted_step(TrainConfig(tis_cap=1.2), -0.3)
+    assert above["tis/weight_mean"] == pytest.approx(1.2) and above["tis/truncated"] == 1.0
+    assert above["importance_ratio/mean"] == pytest.approx(1.0), "the ratio is the trainer's"
+    refused("must be >= 1", models={"policy": {"train": {"tis_cap": 0.5}}})
 
 
 def train_merge(tmp_path: Path) -> None:
@@ -616,6 +663,8 @@ ROWS: dict[str, Row] = {
         "tests/server/test_store.py::test_newest_first_takes_the_highest_version_and_the_oldest_wait",
     )),
     "models.<name>.train.clip_eps": Effect(train_clip_eps),
+    "models.<name>.train.clip_eps_high": Effect(train_clip_eps_high),
+    "models.<name>.train.tis_cap": Effect(train_tis_cap),
     "models.<name>.train.kl_coef": CoveredBy((
         f"{TRAINER}::test_kl_penalty_holds_the_policy_near_the_base_model",
         "tests/test_recipe.py::test_kl_penalty_needs_lora",

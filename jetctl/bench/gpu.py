@@ -8,8 +8,8 @@ For each model configuration, randomly initialised (speed needs no trained weigh
    (128-token prompts, 128 new tokens at temperature 1: the path GRPO rollouts take);
 2. a GRPO training step (LoRA r=16 on q,k,v,o; one group of G=8 completions of one
    prompt) naive (one sequence per completion) vs tree-packed through `jetctl_tree`:
-   forward+backward seconds and peak memory, on the trainer's path (merge.pack ->
-   merge.token_logprobs -> grpo_loss -> backward);
+   seconds and peak memory of the server's own step (`jetctl.server.step.train_step`:
+   pack -> token_logprobs -> GRPO loss -> backward -> clipping; no optimizer step);
 3. weight publish latency to an engine replica (engines/replica.py): full weights and a
    LoRA adapter, on the same GPU and, when there are two, to the second;
 4. `jetctl_tree` vs `sdpa` on one 16k-token tree row (a 2k prompt and 14 branches of 1k):
@@ -19,8 +19,9 @@ Targets (issue 11, one H200): continuous >= 5x HF at 64 requests; LoRA publish <
 full publish <= 1 s. The table marks each PASS or MISS.
 
 `--smoke` runs the same code on a tiny configuration and small sizes (a CPU dry run: it
-checks the driver, not speed). Imports only torch, transformers, peft and safetensors
-besides jetctl's own engine, merge and kernel modules (no pydantic, grpc or typer).
+checks the driver, not speed). Imports only torch, transformers, peft, safetensors and
+pydantic (the step takes the recipe's TrainConfig) besides jetctl's own engine, step and
+kernel modules (no grpc or typer).
 
 Left out: vLLM (not on the GPU image), tensor parallelism, end-to-end rollouts (the
 quickstart-size run in scripts/gpu_check.sh covers the whole server).
@@ -230,24 +231,17 @@ def grpo_group(vocab: int, prompt: int, completion: int, g: int, seed: int) -> l
 
 
 def train_step(model: Any, trajectories: list[Any], mode: str, budget: int) -> int:
-    """The trainer's forward/backward over one group in `mode`; returns tokens fed."""
-    from jetctl.server import merge
-    from jetctl.server.algorithms.grpo import group_advantages, grpo_loss
+    """The server's step (`jetctl.server.step.train_step`, GRPO at the recipe's defaults)
+    over one group in `mode`, the optimizer left out; returns tokens fed."""
+    from jetctl.recipe import OptimizerConfig, TrainConfig
+    from jetctl.server import algorithms
+    from jetctl.server.step import train_step as server_step
 
-    advantages = group_advantages([t.reward for t in trajectories])
-    sequences = [s for t, a in zip(trajectories, advantages)
-                 for s in merge.timeline_sequences(t, a, mode)]  # type: ignore[arg-type]
-    dtype = next(p for p in model.parameters()).dtype
-    microbatches = merge.pack(sequences, mode, budget, dtype=dtype)  # type: ignore[arg-type]
-    normalizer = sum(mb.num_targets for mb in microbatches)
-    for mb in microbatches:
-        new_lp = merge.token_logprobs(model, mb)
-        device = new_lp.device
-        loss, _ = grpo_loss(new_lp, mb.old_logprobs.to(device), mb.advantages.to(device),
-                            clip_eps=0.2, normalizer=normalizer)
-        loss.backward()
+    train = TrainConfig(merge=mode, max_tokens_per_microbatch=budget)  # type: ignore[arg-type]
+    result = server_step(model, [trajectories], train, algorithms.make(train),
+                         max_grad_norm=OptimizerConfig().max_grad_norm)
     model.zero_grad(set_to_none=True)
-    return sum(mb.num_tokens for mb in microbatches)
+    return result.tokens_fed
 
 
 def bench_train(report: Report, model: Any, device: str, sizes: Sizes) -> None:
@@ -308,6 +302,7 @@ def bench_publish(report: Report, model: Any, device: str, sizes: Sizes) -> None
 def bench_tree_kernel(report: Report, model: Any, device: str, sizes: Sizes) -> None:
     """One tree row, prompt + branches: jetctl_tree vs sdpa on the same weights."""
     from jetctl.server import merge
+    from jetctl.server.step import token_logprobs
 
     lora = with_lora(model)
     group = grpo_group(model.config.vocab_size, sizes.tree_prompt, sizes.tree_branch,
@@ -324,7 +319,7 @@ def bench_tree_kernel(report: Report, model: Any, device: str, sizes: Sizes) -> 
         for _ in range(1 + sizes.step_repeats):  # the first is a warm-up
             with peak_memory(device) as peak:
                 t0 = time.perf_counter()
-                lp = merge.token_logprobs(lora, mb)
+                lp = token_logprobs(lora, mb)
                 lp.sum().backward()
                 sync(device)
                 times.append(time.perf_counter() - t0)

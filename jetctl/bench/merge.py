@@ -14,9 +14,9 @@ For every (workload, mode) a fresh spawned process loads the model as the server
 (``finetune: lora`` with the recipe's LoRA defaults, fp32, ``--attn jetctl_tree``: sdpa
 that computes a tree-packed row segment by segment, jetctl/kernels/tree_attention.py;
 ``off`` / ``linear`` rows run plain sdpa under it) and runs exactly the trainer's
-code: ``merge.timeline_sequences`` -> ``merge.pack`` under ``max_tokens_per_microbatch``
--> ``trainer.accumulate_gradients`` (token_logprobs -> grpo_loss -> backward, per
-micro-batch), and the model comes from ``trainer.load_trainable``.
+code: ``jetctl.server.step.train_step`` (``merge.timeline_sequences`` -> ``merge.pack``
+under ``max_tokens_per_microbatch`` -> token_logprobs -> GRPO loss -> backward per
+micro-batch -> gradient clipping), on the model ``step.load_trainable`` builds.
 It reports tokens fed per optimizer step, forward and backward seconds (median over
 repeats), and peak memory: the kernel's resident-set high-water mark (``VmHWM``) of that
 process, reset through ``/proc/self/clear_refs`` just before the measured steps, so it
@@ -26,8 +26,8 @@ leftovers out of the next mode's figure.
 
 Run it: ``jetctl bench merge`` (~10 min on 2 cores), ``--quick`` for small workloads.
 
-Left out: the optimizer step and gradient clipping (the same in every mode), generation,
-and GPU memory (``torch.cuda.max_memory_allocated`` would be the figure there).
+Left out: the optimizer step (the same in every mode; gradient clipping runs, timed in
+neither figure), generation, and GPU memory (``torch.cuda.max_memory_allocated`` would be the figure there).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import os
 import random
 import resource
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -377,39 +376,39 @@ def train_step(
     model: Any, workload: Workload, mode: MergeMode, max_tokens_per_microbatch: int,
     clip_eps: float,
 ) -> StepFigures:
-    """Forward+backward of one optimizer step: the trainer's own code
-    (``trainer.accumulate_gradients``) on the micro-batches ``merge.pack`` makes."""
-    from jetctl.recipe import TrainConfig
-    from jetctl.server import merge
-    from jetctl.server.trainer import accumulate_gradients
+    """The server's own step (``jetctl.server.step.train_step``, GRPO with the workload's
+    fixed advantages) in ``mode``; the optimizer step is left to the caller."""
+    from jetctl.recipe import OptimizerConfig, TrainConfig
+    from jetctl.server import algorithms
+    from jetctl.server import step as server_step
 
     tc = TrainConfig(merge=mode, clip_eps=clip_eps,
                      max_tokens_per_microbatch=max_tokens_per_microbatch)
-    t0 = time.perf_counter()
-    sequences = [s for t, a in workload.trajectories for s in merge.timeline_sequences(t, a, mode)]
-    microbatches = merge.pack(sequences, mode, max_tokens_per_microbatch)
-    pack_s = time.perf_counter() - t0
-    acc = accumulate_gradients(model, microbatches, tc)
+    result = server_step.train_step(
+        model, [[t for t, _ in workload.trajectories]], tc, algorithms.make(tc),
+        max_grad_norm=OptimizerConfig().max_grad_norm,
+        advantages=[[a for _, a in workload.trajectories]],
+    )
     tokens_naive = sum(len(c.prompt_ids) + len(c.completion_ids)
                        for t, _ in workload.trajectories for c in t.calls)
     return StepFigures(
         tokens_naive=tokens_naive,
-        tokens_fed=sum(mb.num_tokens for mb in microbatches),
-        tokens_padded=sum(mb.padded_tokens for mb in microbatches),
-        scored_tokens=acc.normalizer,
-        microbatches=len(microbatches),
-        pack_s=pack_s,
-        forward_s=acc.forward_s,
-        backward_s=acc.backward_s,
-        loss=acc.loss,
+        tokens_fed=result.tokens_fed,
+        tokens_padded=result.tokens_padded,
+        scored_tokens=result.scored_tokens,
+        microbatches=result.microbatches,
+        pack_s=result.pack_s,
+        forward_s=result.forward_s,
+        backward_s=result.backward_s,
+        loss=result.loss,
     )
 
 
 def trainable_model(source: str, finetune: Finetune, attn: Attention) -> Any:
-    """The model exactly as the server loads it (``trainer.load_trainable``, the recipe's
+    """The model exactly as the server loads it (``step.load_trainable``, the recipe's
     defaults otherwise), with a choice of attention."""
     from jetctl.recipe import ModelConfig
-    from jetctl.server.trainer import load_trainable
+    from jetctl.server.step import load_trainable
 
     model, _ = load_trainable(ModelConfig(model=source, finetune=finetune), attn)
     return model

@@ -22,7 +22,7 @@ exp(finfo.min) = 0 there), so results agree to fp32 reduction order
 (tests/server/test_merge.py checks 1e-5 relative against call-by-call).
 
 Use: ``register()``, then load the model with ``attn_implementation="jetctl_tree"``
-(``jetctl.models.load_model`` does both); ``merge.token_logprobs`` passes the layout as
+(``jetctl.models.load_model`` does both); ``step.token_logprobs`` passes the layout as
 the ``tree_layout`` keyword, which transformers forwards to attention functions. A keyword
 of the call, not a global: the trainer's forward and the engine's generation may run on
 the same model object in two threads at once. Every forward without a layout (padded

@@ -24,10 +24,10 @@ What it does (docs/architecture.md section 5, "Timeline merging"):
    only the scores the mask leaves visible.
    A tree row that holds a single sequence (one agent's timeline) gets the ``linear``
    layout: nothing branches, and kernels can then take their causal path.
-3. ``token_logprobs(model, mb)`` runs the forward pass and returns the log-probability of
-   every target, computing logits and log-softmax only at the scored positions; a model
-   loaded with ``attn_implementation="jetctl_tree"`` gets the row's layout as well.
-4. ``merge_stats(naive, microbatches)`` gives the ``merge/*`` step scalars.
+3. ``merge_stats(naive, microbatches)`` gives the ``merge/*`` step scalars.
+
+This module is data layout only: the forward that scores a micro-batch is
+``jetctl.server.step.token_logprobs``.
 
 Merged and naive training give the same per-token log-probs, loss and gradients up to
 fp32 reduction order (tests/server/test_merge.py checks 1e-5 relative).
@@ -49,9 +49,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
 
-from jetctl.kernels.tree_attention import TreeLayout, uses_tree_attention
+from jetctl.kernels.tree_attention import TreeLayout
 from jetctl.types import Trajectory
 
 MergeMode = Literal["off", "linear", "tree"]
@@ -423,49 +422,3 @@ class _Targets:
             num_tokens=num_tokens,
             tree_layout=tree_layout,
         )
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    dtype = getattr(model, "dtype", None)  # PreTrainedModel / PeftModel: the compute dtype
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return next(model.parameters()).dtype
-
-
-def token_logprobs(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """log p(target | context) for every target of ``mb``: [N], on the model's device, fp32.
-
-    The model must accept ``logits_to_keep`` (every transformers causal LM does): logits are
-    projected only at the scored positions, and log-softmax runs only on the N scored rows,
-    upcast to fp32, instead of the full [B, T, V].
-    """
-    device = next(model.parameters()).device
-    mask = mb.attention_mask.to(device)
-    dtype = _model_dtype(model)
-    if mask.dim() == 4 and mask.dtype != dtype:
-        # finfo(float32).min does not survive a cast to fp16/bf16 (it becomes -inf); remake it
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
-            mask != 0, torch.finfo(dtype).min
-        )
-    pred = mb.pred_index.to(device)  # [N, 2]
-    keep, column = torch.unique(pred[:, 1], return_inverse=True)  # [K], [N]
-    # the trie's segments go to the jetctl_tree kernel as a keyword of this call (it skips
-    # the scores the mask would hide); other kernels use the dense mask and never see it
-    use_layout = mb.tree_layout is not None and uses_tree_attention(model)
-    tree = {"tree_layout": mb.tree_layout} if use_layout else {}
-    out = model(
-        input_ids=mb.input_ids.to(device),
-        attention_mask=mask,
-        position_ids=mb.position_ids.to(device),
-        logits_to_keep=keep,
-        use_cache=False,
-        **tree,
-    )
-    logits = out.logits[pred[:, 0], column]  # [N, V]
-    # log-softmax in at least fp32 (bf16/fp16 models); float64 stays float64
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
-    return logp.gather(-1, mb.targets.to(device)[:, None]).squeeze(-1)  # [N]

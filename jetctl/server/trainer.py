@@ -1,13 +1,17 @@
-"""The server's training loop: accepted groups -> staleness gate -> merge/pack -> GRPO -> step.
+"""The server's training loop: accepted groups -> staleness gate -> one step -> version += 1.
 
     refuse buffered groups whose lag > max_staleness (again: the version moved since Submit)
     take buffered groups (train.order: oldest, or newest version first) until
     groups_per_step informative ones are in:
-      skip groups whose rewards are all equal (no GRPO signal): consumed, counted, no slot
-    advantages per group -> training sequences (timeline merge) -> micro-batches (packing)
-    forward/backward per micro-batch (gradient accumulation, token-mean loss)
+      skip groups whose rewards are all equal (no signal): consumed, counted, no slot
+    train_step (jetctl/server/step.py): advantages -> sequences -> packing -> per
+      micro-batch forward, loss, backward -> clipping
     under the weights lock: optimizer step, version += 1  (generation sees whole versions)
-    mark the groups trained at that version; checkpoint every K steps
+    mark the groups trained at that version; publish; log the step; checkpoint every K steps
+
+Gathering (`step_once` down to `_close`) is what this file owns; the gradients of a step are
+step.py's, the loss the algorithm's (`train.algorithm`, jetctl/server/algorithms/), and the
+running figures and their verdicts figures.py's.
 
 Dynamic sampling (DAPO, Yu et al. 2025): a group whose G rewards are all equal has every
 advantage 0 and moves nothing, so it never takes a batch slot; every optimizer step trains
@@ -22,10 +26,6 @@ step excludes generation. Version = optimizer steps completed.
 The model stays in eval mode (the engine shares it). With LoRA, the trainer's forward sees
 `lora.dropout` and the KL penalty's reference (the base model: the adapter switched off)
 through per-thread switches (`jetctl/server/adapter.py`), so generation never sees either.
-`accumulate_gradients` is the forward/backward of one step; `jetctl bench merge` calls it.
-
-Left out: a KL reference for full fine-tuning (it would be a second copy of the model;
-`train.kl_coef > 0` with `finetune: full` is refused by the recipe).
 """
 
 from __future__ import annotations
@@ -34,185 +34,24 @@ import json
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from jetctl.faults import Faults
-from jetctl.models import AttnImplementation, Progress
 from jetctl.proto.convert import weight_frames
-from jetctl.recipe import ModelConfig, TrainConfig
+from jetctl.recipe import ModelConfig
+from jetctl.server import algorithms, memory
 from jetctl.server import checkpoint as ckpt
-from jetctl.server import memory, merge
 from jetctl.server import weights as W
-from jetctl.server.adapter import adapter_mode
-from jetctl.server.algorithms.grpo import LossStats, group_advantages, grpo_loss
+from jetctl.server.figures import TrainerFigures
 from jetctl.server.locks import WeightsLock
 from jetctl.server.mixing import BatchMix
+from jetctl.server.step import train_step
 from jetctl.server.store import StoredGroup, TrajectoryStore
-
-
-def load_trainable(
-    cfg: ModelConfig,
-    attn_implementation: AttnImplementation = "jetctl_tree",
-    progress: bool | Progress = False,
-) -> tuple[Any, Any]:
-    """The model the server trains (LoRA-wrapped when finetune is lora) and its tokenizer.
-
-    `jetctl_tree`: sdpa for generation and padded micro-batches, and only the visible scores
-    of tree-packed ones (merge: tree); the same values as eager up to fp32 rounding order.
-    """
-    from jetctl.models import load_model
-    from jetctl.server import adapter
-
-    torch.manual_seed(cfg.seed)
-    base, tokenizer = load_model(
-        cfg.model, dtype=cfg.dtype, device=cfg.device, attn_implementation=attn_implementation,
-        progress=progress,
-    )
-    model: Any = base
-    if cfg.finetune == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lc = cfg.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                target_modules=list(lc.target_modules), task_type="CAUSAL_LM",
-            ),
-        )
-        adapter.install(model, lc.dropout)  # dropout in the trainer's thread only
-    else:
-        for p in model.parameters():
-            p.requires_grad_(True)
-    model.eval()  # shared with the engine; training-only behaviour is per thread (adapter.py)
-    return model, tokenizer
-
-
-@dataclass
-class Accumulated:
-    """What one step's forward/backward over its micro-batches left besides the gradients."""
-
-    loss: float
-    stats: list[tuple[int, LossStats]]  # (scored tokens, stats) per micro-batch
-    normalizer: int  # scored tokens of the step
-    forward_s: float  # reference forwards included
-    backward_s: float
-
-
-def accumulate_gradients(
-    model: Any, microbatches: list[merge.MicroBatch], tc: TrainConfig
-) -> Accumulated:
-    """Forward (+ reference forward when kl_coef > 0), GRPO loss and backward per micro-batch,
-    summing gradients into `.grad`; the loss is a token mean over the whole step."""
-    normalizer = sum(mb.num_targets for mb in microbatches)
-    use_reference = tc.kl_coef > 0
-    loss_total = forward_s = backward_s = 0.0
-    stats: list[tuple[int, LossStats]] = []
-    for mb in microbatches:
-        t0 = time.perf_counter()
-        ref_lp = None
-        if use_reference:
-            with torch.no_grad(), adapter_mode("reference"):
-                ref_lp = merge.token_logprobs(model, mb)
-        with adapter_mode("train"):
-            new_lp = merge.token_logprobs(model, mb)
-        loss, st = grpo_loss(
-            new_lp, mb.old_logprobs.to(new_lp.device), mb.advantages.to(new_lp.device),
-            clip_eps=tc.clip_eps, normalizer=normalizer, ref_logprobs=ref_lp,
-            kl_coef=tc.kl_coef,
-        )
-        t1 = time.perf_counter()
-        loss.backward()
-        backward_s += time.perf_counter() - t1
-        forward_s += t1 - t0
-        loss_total += float(loss.detach())
-        stats.append((mb.num_targets, st))
-        del new_lp, ref_lp, loss
-    return Accumulated(loss_total, stats, normalizer, forward_s, backward_s)
-
-
-SIGNAL_WINDOW = 64  # consumed groups (per task) behind Status.signal_by_task
-LAG_WINDOW = 32  # trained groups per task behind Status.staleness_by_task
-NO_SIGNAL_SHARE = 0.8  # above this share of equal-reward groups, the run has no signal
-
-
-@dataclass
-class TrainerFigures:
-    """Running totals read by Status and /metrics."""
-
-    trained_groups: int = 0
-    trained_trajectories: int = 0
-    tokens_trained: int = 0
-    stale_at_batch: int = 0
-    recent_rewards: list[float] = field(default_factory=list)
-    last_step: dict[str, float] = field(default_factory=dict)
-    last_checkpoint_version: int = -1
-    last_checkpoint_time: float = 0.0
-    skipped_groups: int = 0  # all rewards equal: consumed without a batch slot
-    # the last SIGNAL_WINDOW consumed groups, whatever their task: informative or not
-    recent_informative: deque[bool] = field(default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
-    # task -> its last SIGNAL_WINDOW consumed groups: (informative, mean reward)
-    recent_signal: dict[str, deque[tuple[bool, float]]] = field(default_factory=dict)
-    best_reward: dict[str, float] = field(default_factory=dict)  # task -> best group mean seen
-    # task -> the lags (versions behind at the step) of its last LAG_WINDOW trained groups
-    recent_lags: dict[str, deque[int]] = field(default_factory=dict)
-
-    def note_lag(self, task: str, lag: int) -> None:
-        """A group of `task` went into a step `lag` versions behind the trainer."""
-        self.recent_lags.setdefault(task, deque(maxlen=LAG_WINDOW)).append(lag)
-
-    def staleness_by_task(self) -> dict[str, float]:
-        """Per task: the mean lag of its last LAG_WINDOW groups trained in a step."""
-        # copies: Status reads while the trainer's thread appends
-        windows = {task: list(lags) for task, lags in list(self.recent_lags.items())}
-        return {task: sum(lags) / len(lags) for task, lags in windows.items() if lags}
-
-    def note_consumed(self, task: str, informative: bool, mean: float) -> None:
-        """A group of `task` was consumed (trained, or skipped without signal)."""
-        self.best_reward[task] = max(self.best_reward.get(task, float("-inf")), mean)
-        self.recent_signal.setdefault(task, deque(maxlen=SIGNAL_WINDOW)).append(
-            (informative, mean))
-        self.recent_informative.append(informative)
-
-    def signal_by_task(self) -> dict[str, tuple[float, str]]:
-        """task -> (share of its last SIGNAL_WINDOW groups without signal, verdict).
-
-        `ok` while fewer than half a window is in or under NO_SIGNAL_SHARE of it is flat;
-        else `solved` when most of its flat groups scored the best group mean the task has
-        seen (every rollout right), `collapsed` when most scored the same below it (one
-        answer for every sample, not the best: nothing left to learn from, and no way up).
-        Judged per task: tasks have different best rewards, and one task solved beside
-        another still learning is neither.
-        """
-        out: dict[str, tuple[float, str]] = {}
-        for task, window in list(self.recent_signal.items()):  # the trainer thread appends
-            recent = list(window)
-            flat = [mean for informative, mean in recent if not informative]
-            share = len(flat) / len(recent) if recent else 0.0
-            if len(recent) < SIGNAL_WINDOW // 2 or share < NO_SIGNAL_SHARE:
-                out[task] = (share, "ok")
-                continue
-            best = self.best_reward.get(task, float("-inf"))
-            at_best = sum(1 for mean in flat if mean >= best - 1e-9)
-            out[task] = (share, "solved" if 2 * at_best >= len(flat) else "collapsed")
-        return out
-
-    def signal(self) -> tuple[float, str]:
-        """(share of the last SIGNAL_WINDOW groups without signal, over all tasks; the run's
-        verdict): `collapsed` when a task collapsed, `solved` when every task is solved, else
-        `ok` (`signal_by_task` says which task)."""
-        recent = list(self.recent_informative)
-        share = (len(recent) - sum(recent)) / len(recent) if recent else 0.0
-        verdicts = {verdict for _, verdict in self.signal_by_task().values()}
-        if "collapsed" in verdicts:
-            return share, "collapsed"
-        return share, "solved" if verdicts == {"solved"} else "ok"
 
 
 class Trainer:
@@ -257,6 +96,7 @@ class Trainer:
             params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
         self.params = params
+        self.algorithm = algorithms.make(cfg.train)
         self.version = 0
         self.figures = TrainerFigures()
         self._frames: tuple[int, int, list[bytes]] | None = None  # (version, chunk, frames)
@@ -444,38 +284,20 @@ class Trainer:
     def _train(
         self, batch: list[StoredGroup], wait_s: float, skipped: list[StoredGroup] | None = None,
     ) -> dict[str, float]:
-        tc = self.cfg.train
         t0 = time.monotonic()
         version_before = self.version
         memory.reset_peak(self.device)
         skipped = skipped or []
-        sequences: list[merge.TrainSequence] = []
-        tokens_naive = 0  # what training call by call would feed (the merge statistic)
-        rewards: list[float] = []  # of the groups trained on
-        lags: list[int] = []
-        zero_std = 0
-        response_tokens = 0
-        for s in batch:
-            g = s.group
-            group_rewards = [t.reward for t in g.trajectories]
-            rewards += group_rewards
-            lags.append(g.lag(self.version))
-            self.figures.note_lag(g.task, lags[-1])
-            advantages = group_advantages(group_rewards)
-            if all(a == 0.0 for a in advantages):
-                zero_std += 1
-                continue
-            for t, a in zip(g.trajectories, advantages):
-                response_tokens += sum(len(c.completion_ids) for c in t.calls)
-                sequences += merge.timeline_sequences(t, a, tc.merge)
-                tokens_naive += sum(
-                    len(c.prompt_ids) + len(c.completion_ids) for c in t.calls if c.completion_ids)
-
-        scalars: dict[str, float] = {}
-        if sequences:
-            scalars = self._optimize(sequences, tokens_naive)
+        lags = [s.group.lag(self.version) for s in batch]
+        for s, lag in zip(batch, lags):
+            self.figures.note_lag(s.group.task, lag)
+        result = train_step(
+            self.model, [s.group.trajectories for s in batch], self.cfg.train, self.algorithm,
+            max_grad_norm=self.cfg.optimizer.max_grad_norm,
+        )
+        scalars = dict(result.scalars)
         with self.lock:
-            if sequences:
+            if result.trained:
                 self.optimizer.step()
                 self.version += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -491,12 +313,14 @@ class Trainer:
         f.trained_groups += len(batch)
         f.trained_trajectories += n_traj
         f.tokens_trained += int(scalars.get("num_tokens", 0))
+        rewards = [t.reward for s in batch for t in s.group.trajectories]  # trained on
         # the rollouts' reward: every group consumed for this step, skipped ones included
         consumed = rewards + [t.reward for s in skipped for t in s.group.trajectories]
         f.recent_rewards = (f.recent_rewards + consumed)[-256:]
         mean = sum(consumed) / len(consumed)
         std = (sum((r - mean) ** 2 for r in consumed) / len(consumed)) ** 0.5
         no_signal, signal = f.signal()
+        zero_std = result.groups_without_signal
         scalars.update(
             {
                 "step": float(self.version),
@@ -512,7 +336,7 @@ class Trainer:
                 "signal/collapsed": float(signal == "collapsed"),
                 "groups": float(len(batch)),
                 "trajectories": float(n_traj),
-                "response_length/mean": response_tokens / max(n_traj, 1),
+                "response_length/mean": result.response_tokens / max(n_traj, 1),
                 "learning_rate": self.optimizer.param_groups[0]["lr"],
                 "staleness/mean": sum(lags) / len(lags),
                 "staleness/max": float(max(lags)),
@@ -534,35 +358,6 @@ class Trainer:
         if self.version != version_before and self.version % self.cfg.checkpoint.every_steps == 0:
             self.checkpoint()
         return scalars
-
-    def _optimize(
-        self, sequences: list[merge.TrainSequence], tokens_naive: int
-    ) -> dict[str, float]:
-        tc = self.cfg.train
-        microbatches = merge.pack(sequences, tc.merge, tc.max_tokens_per_microbatch)
-        acc = accumulate_gradients(self.model, microbatches, tc)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.cfg.optimizer.max_grad_norm
-        )
-        w = [n / max(acc.normalizer, 1) for n, _ in acc.stats]
-        stats = [st for _, st in acc.stats]
-        tokens_packed = sum(mb.num_tokens for mb in microbatches)
-        return {
-            "loss": acc.loss,
-            "grad_norm": float(grad_norm),
-            "kl": sum(wi * st.approx_kl for wi, st in zip(w, stats)),
-            "kl_ref": sum(wi * st.ref_kl for wi, st in zip(w, stats)),
-            "clip_fraction": sum(wi * st.clip_fraction for wi, st in zip(w, stats)),
-            "importance_ratio/mean": sum(wi * st.ratio_mean for wi, st in zip(w, stats)),
-            "importance_ratio/min": min(st.ratio_min for st in stats),
-            "importance_ratio/max": max(st.ratio_max for st in stats),
-            "num_tokens": float(tokens_packed),
-            "merge/tokens_naive": float(tokens_naive),
-            "merge/tokens_packed": float(tokens_packed),
-            "merge/ratio": tokens_naive / max(tokens_packed, 1),
-            "microbatches": float(len(microbatches)),
-            "scored_tokens": float(acc.normalizer),
-        }
 
     # --- publishing and checkpoints -----------------------------------------------------
 
@@ -608,6 +403,6 @@ class Trainer:
 
 
 def _no_signal(s: StoredGroup) -> bool:
-    """All G rewards equal: every GRPO advantage is 0, the group moves nothing."""
+    """All G rewards equal: every advantage is 0 (each algorithm's), the group moves nothing."""
     rewards = [t.reward for t in s.group.trajectories]
     return max(rewards) - min(rewards) < 1e-9

@@ -108,24 +108,24 @@ def test_unknown_attention_is_one_red_line() -> None:
 def test_the_bench_measures_the_trainers_own_step_and_model(
     workloads: list[bm.Workload], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No copy to drift: the bench's step is `trainer.accumulate_gradients` (seen here by
-    wrapping it) on the model `trainer.load_trainable` builds (with the server's per-thread
+    """No copy to drift: the bench's step is the server's `step.train_step` (seen here by
+    wrapping it) on the model `step.load_trainable` builds (with the server's per-thread
     LoRA switch), and its figures are that function's own."""
-    from jetctl.server import trainer
+    from jetctl.server import step
     from jetctl.server.adapter import AdapterInput
 
-    seen: list[trainer.Accumulated] = []
-    real = trainer.accumulate_gradients
+    seen: list[step.StepResult] = []
+    real = step.train_step
 
-    def wrapped(*args: object, **kwargs: object) -> trainer.Accumulated:
+    def wrapped(*args: object, **kwargs: object) -> step.StepResult:
         out = real(*args, **kwargs)  # type: ignore[arg-type]
         seen.append(out)
         return out
 
-    monkeypatch.setattr(trainer, "accumulate_gradients", wrapped)
+    monkeypatch.setattr(step, "train_step", wrapped)
     model = bm.trainable_model("builtin:tiny", "lora", "sdpa")
     assert any(isinstance(m, AdapterInput) for m in model.modules())
     figures = bm.train_step(model, workloads[2], "tree", 8192, clip_eps=0.2)
     assert len(seen) == 1
-    assert (figures.loss, figures.scored_tokens) == (seen[0].loss, seen[0].normalizer)
+    assert (figures.loss, figures.scored_tokens) == (seen[0].loss, seen[0].scored_tokens)
     assert any(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -73,8 +73,9 @@ async def test_hf_engine_on_a_second_gpu_gets_each_step_within_the_deadline() ->
 
 
 def trainer_for(tmp_path: Path, finetune: str, dtype: str = "bfloat16") -> Any:
+    from jetctl.server.step import load_trainable
     from jetctl.server.store import GroupCodec, TrajectoryStore
-    from jetctl.server.trainer import Trainer, load_trainable
+    from jetctl.server.trainer import Trainer
 
     cfg = ModelConfig(
         model="builtin:tiny", device="cuda", dtype=dtype, finetune=finetune,  # type: ignore[arg-type]
@@ -121,7 +122,7 @@ def test_a_checkpoint_from_cuda_resumes_on_cpu_and_back(tmp_path: Path) -> None:
     gpu.checkpoint()
     state = {k: v.detach().cpu() for k, v in gpu.model.state_dict().items()}
 
-    from jetctl.server.trainer import load_trainable
+    from jetctl.server.step import load_trainable
 
     cfg = gpu.cfg.model_copy(update={"device": "cpu"})
     cpu_model, _ = load_trainable(cfg)
@@ -143,6 +144,7 @@ def test_tree_packed_logprobs_equal_call_by_call_on_cuda() -> None:
     """The jetctl_tree kernel on CUDA: a GRPO group packed as one tree row scores every
     completion token as running each completion alone does (fp32)."""
     from jetctl.models import load_model
+    from jetctl.server.step import token_logprobs
 
     model, _ = load_model("builtin:tiny", device="cuda", attn_implementation="jetctl_tree",
                           progress=False)
@@ -159,7 +161,7 @@ def test_tree_packed_logprobs_equal_call_by_call_on_cuda() -> None:
         seqs = [s for t in trajectories for s in merge.timeline_sequences(t, 1.0, mode)]  # type: ignore[arg-type]
         mbs = merge.pack(seqs, mode, 4096)  # type: ignore[arg-type]
         with torch.no_grad():
-            lps = torch.cat([merge.token_logprobs(model, mb).cpu() for mb in mbs])
+            lps = torch.cat([token_logprobs(model, mb).cpu() for mb in mbs])
         # the same (sequence, token) order in both modes
         key = torch.cat([mb.seq_index * 100_000 + mb.token_index for mb in mbs])
         return lps[torch.argsort(key)]

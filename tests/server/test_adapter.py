@@ -12,7 +12,7 @@ import torch
 from jetctl.recipe import LoraConfig, ModelConfig
 from jetctl.server import merge
 from jetctl.server.adapter import AdapterInput, adapter_mode
-from jetctl.server.trainer import load_trainable
+from jetctl.server.step import load_trainable, token_logprobs
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
@@ -39,7 +39,7 @@ def microbatch() -> merge.MicroBatch:
 
 @torch.no_grad()
 def logprobs(model: Any, mb: merge.MicroBatch) -> torch.Tensor:
-    return merge.token_logprobs(model, mb)
+    return token_logprobs(model, mb)
 
 
 def test_every_lora_layer_gets_the_switch() -> None:

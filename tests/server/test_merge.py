@@ -38,8 +38,8 @@ from jetctl.server.merge import (
     merge_stats,
     pack,
     timeline_sequences,
-    token_logprobs,
 )
+from jetctl.server.step import token_logprobs
 from jetctl.types import LLMCall, Trajectory
 
 pytestmark = pytest.mark.unit

@@ -39,7 +39,8 @@ import torch
 from jetctl.bench.merge import Workload, build_workloads, trainable_model
 from jetctl.models import load_tokenizer
 from jetctl.server.algorithms.grpo import grpo_loss
-from jetctl.server.merge import MergeMode, pack, timeline_sequences, token_logprobs
+from jetctl.server.merge import MergeMode, pack, timeline_sequences
+from jetctl.server.step import token_logprobs
 from jetctl.types import Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # minutes on a busy 2-core box

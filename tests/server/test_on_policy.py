@@ -30,7 +30,7 @@ from jetctl.recipe import ModelConfig
 from jetctl.server import merge
 from jetctl.server.adapter import adapter_mode
 from jetctl.server.engines import GenRequest, make_engine
-from jetctl.server.trainer import load_trainable
+from jetctl.server.step import load_trainable, token_logprobs
 from jetctl.types import LLMCall, Trajectory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -89,7 +89,7 @@ def trainer_log_ratios(trajectories: list[Trajectory]) -> tuple[list[float], int
     out: list[float] = []
     with torch.no_grad(), adapter_mode("train"):
         for mb in merge.pack(sequences, "tree", 8192):
-            new = merge.token_logprobs(model, mb)
+            new = token_logprobs(model, mb)
             out += (new - mb.old_logprobs.to(new.dtype)).tolist()  # old: the engine's
     return out, len(sequences)
 

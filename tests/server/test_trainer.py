@@ -14,7 +14,9 @@ from jetctl.recipe import CheckpointConfig, ModelConfig, TrainConfig
 from jetctl.server import checkpoint as ckpt
 from jetctl.server import merge
 from jetctl.server.adapter import adapter_mode
-from jetctl.server.trainer import Trainer, TrainerFigures, load_trainable
+from jetctl.server.figures import SIGNAL_WINDOW, TrainerFigures
+from jetctl.server.step import load_trainable, token_logprobs
+from jetctl.server.trainer import Trainer
 from tests.factories import make_group
 from tests.server.trainer_support import (
     PROMPT,
@@ -147,9 +149,9 @@ def reference_kl(trainer: Trainer) -> float:
     g = make_group(prompt=PROMPT, completion=(21, 22, 23, 24, 25))
     (mb,) = merge.pack(merge.timeline_sequences(g.trajectories[0], 1.0, "off"), "off", 8192)
     with torch.no_grad():
-        new = merge.token_logprobs(trainer.model, mb)
+        new = token_logprobs(trainer.model, mb)
         with adapter_mode("reference"):
-            ref = merge.token_logprobs(trainer.model, mb)
+            ref = token_logprobs(trainer.model, mb)
     return float((torch.exp(ref - new) - (ref - new) - 1).mean())
 
 
@@ -212,8 +214,6 @@ def test_every_step_trains_on_groups_per_step_informative_groups(tmp_path: Path)
 
 
 def test_a_run_without_signal_is_told_apart_collapsed_or_solved(tmp_path: Path) -> None:
-    from jetctl.server.trainer import SIGNAL_WINDOW
-
     trainer = make_trainer(tmp_path, config(groups_per_step=1))
     submit(trainer, rewards=(0.0, 1.0))  # the best group mean seen: 0.5
     step(trainer)
@@ -234,8 +234,6 @@ def test_the_signal_is_judged_per_task_against_its_own_best_reward(tmp_path: Pat
     called the run collapsed unless every flat group scored the best reward of any task), a
     solved task's rare all-wrong group does not turn it into one, and a task that answers
     the same wrong thing every time is named."""
-    from jetctl.server.trainer import SIGNAL_WINDOW
-
     f = TrainerFigures()
     for i in range(SIGNAL_WINDOW):
         # web: every rollout right, except one group in 16 where every rollout failed
@@ -266,7 +264,6 @@ def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -
     from jetctl.controller.service import status_to_dict
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.proto._gen import swarm_pb2 as spb
-    from jetctl.server.trainer import SIGNAL_WINDOW
     from jetctl.status import document, render_status
 
     def put(rewards: tuple[float, ...], task: str) -> None:

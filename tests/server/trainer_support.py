@@ -10,8 +10,9 @@ import torch
 
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import CheckpointConfig, ModelConfig, OptimizerConfig, TrainConfig
+from jetctl.server.step import load_trainable
 from jetctl.server.store import GroupCodec, TrajectoryStore
-from jetctl.server.trainer import Trainer, load_trainable
+from jetctl.server.trainer import Trainer
 from jetctl.types import TrajectoryGroup
 from tests.factories import make_group
 
