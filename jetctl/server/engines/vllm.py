@@ -43,6 +43,8 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jetctl.server.engines")
 SHARED_GPU_UTILIZATION = 0.35  # of the trainer's GPU, when vLLM shares it
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 OWN_GPU_UTILIZATION = 0.85
 ADMIT_POLL_S = 0.005
 
@@ -129,18 +132,15 @@ class VLLMEngine:
             from vllm.config import WeightTransferConfig
 
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
-            # the IPC handles carry a rebuild function: vLLM refuses to unpickle them otherwise
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        # vLLM's engine core process sees only the engine's GPU, as its device 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = _physical_index(self.device)
-        try:
+        # vLLM's engine core process sees only the engine's GPU, as its device 0; with full
+        # updates it unpickles the IPC handles this server sends (they carry a rebuild
+        # function), which vLLM refuses unless VLLM_ALLOW_INSECURE_SERIALIZATION: set for
+        # the core's start only (it inherits it), never left set in the server's process
+        core_env = {"CUDA_VISIBLE_DEVICES": _physical_index(self.device)}
+        if not self.lora:
+            core_env[INSECURE_SERIALIZATION] = "1"
+        with scoped_env(core_env):
             self._llm = vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
-        finally:
-            if visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self._closed = True  # no request before the first weights are in
         self._loop.create_task(self._initial_weights())
 
@@ -283,7 +283,9 @@ class VLLMEngine:
             await self._llm.start_weight_update()
             update = {"names": names, "dtype_names": dtypes, "shapes": shapes,
                       "ipc_handles": handles}
-            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
+            # the handles are pickled on this side too: allowed for this call only
+            with scoped_env({INSECURE_SERIALIZATION: "1"}):
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
             await self._llm.finish_weight_update()
             await self._llm.reset_prefix_cache()
             self.version, self._broken = version, False
@@ -336,3 +338,18 @@ def _fast_tmp() -> str | None:
     """/dev/shm when there is one: an adapter is written and read once per step."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
+
+
+@contextmanager
+def scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block only, then put back what was there."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
