@@ -14,13 +14,13 @@
   a server whose model is among its models, and the node's own Join and Sync with the
   controller. Swap, down, scale, run status, a server's Status, and another node's Sync are
   refused (PERMISSION_DENIED), and counted by whoever refuses them. The controller revokes a
-  node's credential once the node was drained out of the run (a swap's old nodes).
+  node's credential once the node was drained out of the run (a swap's old nodes): it
+  refuses its Join and Sync, and tells the servers at their next sync (`revoked_nodes`).
 * `write_private` / `private_key`: a secret file made 0600 with O_EXCL and O_NOFOLLOW (a
   symlink planted where the file goes is refused, not followed), and checked when read.
 
-Left out: revocation at the swarm servers (they accept a retired node's credential until
-the run ends: the controller refuses its Join and Sync, and its container is gone), and
-expiry.
+Left out: expiry (a credential lives as long as its node's name is in the run), and
+revocation of a node that is drained without being retired (`down`: the run ends).
 """
 
 from __future__ import annotations

@@ -149,6 +149,8 @@ class Hub:
                 drain = True
             refused = self.state.refused.get(node.model if node else req.model, frozenset())
             servers = self.state.servers()
+            # a server refuses the credentials of the nodes a swap retired (jetctl.auth)
+            revoked = sorted(self.state.retired) if req.kind == "server" else []
         held = self._apply(req)
         message = ""
         if node is None:
@@ -157,7 +159,7 @@ class Hub:
             message = f"{node.name}: drain ({'the run stops' if self.state.phase != 'running' else 'retired'})"
         return cpb.SyncReply(
             servers=servers, refused_revisions=sorted(refused), drain=drain,
-            journal_seq=held, message=message, known=node is not None,
+            journal_seq=held, message=message, known=node is not None, revoked_nodes=revoked,
         )
 
     def _refuses(self, node: Node) -> bool:

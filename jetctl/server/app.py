@@ -155,7 +155,8 @@ async def serve(opts: ServerOptions) -> int:
     )
 
     limit = cfg.limits.max_message_bytes
-    interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name)]
+    interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name,
+                                     revoked=lambda node: node in service.revoked_nodes)]
     if faults.configured:  # an interceptor costs every call, even one that does nothing
         interceptors.append(drop_ack_interceptor(faults))
     server = grpc.aio.server(
@@ -227,6 +228,7 @@ async def serve(opts: ServerOptions) -> int:
             if refused != service.refused_revisions:
                 write_refused(opts.run_dir, opts.name, refused)  # for a restart
                 service.refused_revisions = refused
+            service.revoked_nodes = frozenset(reply.revoked_nodes)
             if reply.drain and not stop.is_set():
                 log.info("%s", reply.message or "the controller asked this server to stop")
                 stop.set()  # as on SIGTERM: finish the step, checkpoint, exit

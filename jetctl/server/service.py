@@ -75,6 +75,7 @@ class SwarmService:
         self.eos_token_ids = eos_token_ids
         self.groups_per_step = groups_per_step
         self.refused_revisions: frozenset[str] = frozenset()
+        self.revoked_nodes: frozenset[str] = frozenset()  # the controller's, at each sync
         self.started = time.time()
         self.refused_calls: dict[str, int] = {}
         self.tokens_generated = 0
@@ -337,12 +338,14 @@ def _packed_views(raw: bytes, n_groups: int) -> list[Any]:
 
 
 def auth_interceptor(
-    token: str, on_refuse: Callable[[str], None], model: str | None = None
+    token: str, on_refuse: Callable[[str], None], model: str | None = None,
+    revoked: Callable[[str], bool] = lambda _node: False,
 ) -> grpc.aio.ServerInterceptor:
     """Require a valid token of the run on every call but health and reflection: the run
     token for any call, a node credential (jetctl.auth) for the client calls of `model`
-    only. A wrong token is UNAUTHENTICATED, a node's call outside its scope
-    PERMISSION_DENIED; both are counted (`refused_calls`)."""
+    only, until the node is `revoked`. A wrong token is UNAUTHENTICATED, a node's call
+    outside its scope or after its revocation PERMISSION_DENIED; each is counted
+    (`refused_calls`)."""
     open_prefixes = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     class _Auth(grpc.aio.ServerInterceptor):
@@ -361,6 +364,10 @@ def auth_interceptor(
                 on_refuse("permission_denied")
                 return _deny(details.method, grpc.StatusCode.PERMISSION_DENIED,
                              f"node {who.node}'s credential does not allow {details.method}")
+            if who.node is not None and revoked(who.node):
+                on_refuse("revoked")
+                return _deny(details.method, grpc.StatusCode.PERMISSION_DENIED,
+                             f"node {who.node}'s credential was revoked (it left the run)")
             return await continuation(details)
 
     return _Auth()

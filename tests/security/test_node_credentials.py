@@ -81,3 +81,27 @@ def test_a_node_credential_syncs_as_itself_only_until_revoked() -> None:
         assert ctl.stopped == ["down"]
     finally:
         server.stop(0)
+
+
+def test_servers_learn_the_revoked_nodes_at_their_sync(tmp_path: Any) -> None:
+    """The controller's Sync reply to a server lists the nodes a swap retired (the server's
+    interceptor then refuses their credentials: tests/server/test_auth.py); a client's
+    reply does not carry the list."""
+    from jetctl.controller.hub import Hub
+    from jetctl.controller.received import Received
+    from jetctl.controller.state import RunState
+    from jetctl.recipe import parse_recipe
+    from jetctl.rundir import RunPaths
+
+    recipe = parse_recipe(
+        "models:\n  policy:\n    model: builtin:tiny\n"
+        "tasks:\n  arith:\n    env: envs.digits:make_env\n    agent: agents.digits:agent\n"
+        "    model: policy\n", env={},
+    )
+    state = RunState(recipe, tmp_path / "r.yaml", RunPaths(tmp_path))
+    state.retired |= {"arith-0", "arith-1"}
+    hub = Hub(state, Received(tmp_path / "received.sqlite"))
+    to_server = hub.sync(cpb.SyncRequest(name="server-policy", kind="server", model="policy"))
+    assert list(to_server.revoked_nodes) == ["arith-0", "arith-1"]
+    to_client = hub.sync(cpb.SyncRequest(name="arith-0", kind="client", task="arith"))
+    assert list(to_client.revoked_nodes) == [] and to_client.drain

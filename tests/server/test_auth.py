@@ -67,12 +67,15 @@ def test_the_token_passes_and_is_compared_in_constant_time(
 
 def test_a_node_credential_passes_only_client_calls_of_its_models() -> None:
     """The credential the controller gives a client node: Submit to its model's server, not
-    Status (an admin call), nor another model's server; a forged one is not a token at all."""
+    Status (an admin call), nor another model's server, nor once revoked; a forged one is not
+    a token at all."""
     cred = auth.node_credential("s3cret", "arith-0", ["policy"])
 
-    def call(method: str, model: str, token: str) -> tuple[bool, list[str]]:
+    def call(method: str, model: str, token: str, revoked: frozenset[str] = frozenset()
+             ) -> tuple[bool, list[str]]:
         refused: list[str] = []
-        interceptor = auth_interceptor("s3cret", refused.append, model=model)
+        interceptor = auth_interceptor("s3cret", refused.append, model=model,
+                                       revoked=lambda node: node in revoked)
 
         async def continuation(_details: Any) -> grpc.RpcMethodHandler:
             return ALLOWED
@@ -87,3 +90,5 @@ def test_a_node_credential_passes_only_client_calls_of_its_models() -> None:
     forged = auth.node_credential("not-the-run-token", "arith-0", ["policy"])
     assert call("Submit", "policy", forged) == (False, ["unauthenticated"])
     assert call("Status", "policy", "s3cret") == (True, []), "the run token is the admin's"
+    gone = frozenset({"arith-0"})  # a swap retired it: the controller said so at a sync
+    assert call("Submit", "policy", cred, revoked=gone) == (False, ["revoked"])

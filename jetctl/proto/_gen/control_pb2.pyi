@@ -198,7 +198,7 @@ class SyncRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., status_json: _Optional[str] = ..., journal: _Optional[str] = ..., records: _Optional[_Iterable[_Union[LedgerRecord, _Mapping]]] = ..., endpoint: _Optional[str] = ..., metrics: _Optional[str] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
 
 class SyncReply(_message.Message):
-    __slots__ = ("servers", "refused_revisions", "drain", "journal_seq", "message", "known")
+    __slots__ = ("servers", "refused_revisions", "drain", "journal_seq", "message", "known", "revoked_nodes")
     class ServersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,10 +212,12 @@ class SyncReply(_message.Message):
     JOURNAL_SEQ_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_NODES_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.ScalarMap[str, str]
     refused_revisions: _containers.RepeatedScalarFieldContainer[str]
     drain: bool
     journal_seq: int
     message: str
     known: bool
-    def __init__(self, servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., journal_seq: _Optional[int] = ..., message: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...
+    revoked_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., journal_seq: _Optional[int] = ..., message: _Optional[str] = ..., known: _Optional[bool] = ..., revoked_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
