@@ -26,9 +26,9 @@ Left out: LLM-as-judge rewards, and rewards that need the env's tools (write an 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -170,16 +170,25 @@ def score(
             return asyncio.run(bounded())
         return out
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-    try:
-        raw = pool.submit(call).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError as exc:
-        raise RewardError(f"the reward {_name(fn)} ran past reward_timeout_s={timeout_s:g}") from exc
-    except Exception as exc:
+    # a daemon thread, not an executor: a reward that never returns must not hold up the
+    # exit of the process (an executor's workers are joined at exit)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except Exception as exc:  # noqa: BLE001  # re-raised below as the rollout's failure
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="reward", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardError(f"the reward {_name(fn)} ran past reward_timeout_s={timeout_s:g}")
+    if "error" in outcome:
+        exc = outcome["error"]
         raise RewardError(f"the reward {_name(fn)} raised {type(exc).__name__}: {exc}") from exc
-    finally:
-        # a timed-out reward's thread is left to finish; the rollout process ends it
-        pool.shutdown(wait=False, cancel_futures=True)
+    raw = outcome["value"]
     if isinstance(raw, Mapping):
         return {str(role): float(value) for role, value in raw.items()}
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
