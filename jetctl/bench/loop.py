@@ -68,6 +68,7 @@ class RunFigures:
     gen_batch_mean: float
     staleness_mean: float
     cpu_s: dict[str, float]  # process role -> CPU seconds (user + system)
+    algorithm: str = ""  # train.algorithm of both sides
     ledger: str = ""  # swarm: "balanced" or the problems
     run_dir: str = ""
     curve: list[tuple[float, float]] = field(default_factory=list)  # (t, rolling reward)
@@ -134,12 +135,16 @@ def _busy(train: list[tuple[float, float]], start: float | None, end: float) -> 
 
 def task_recipe(
     raw: dict[str, Any], task: str, *, seconds: float, latency_s: float, seed: int, run_dir: Path,
+    algorithm: str | None = None,
 ) -> dict[str, Any]:
-    """The recipe with only `task` and its model, run for `seconds`, env slowed by latency."""
+    """The recipe with only `task` and its model, run for `seconds`, env slowed by latency,
+    trained with `algorithm` (None: the recipe's)."""
     t = dict(raw["tasks"][task])
     model = t["model"]
     m = dict(raw["models"][model])
     m["seed"] = seed
+    if algorithm is not None:
+        m["train"] = {**(m.get("train") or {}), "algorithm": algorithm}
     t["seed"] = seed
     if latency_s > 0:
         t["env_args"] = {
@@ -340,28 +345,36 @@ def run(
     recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
     modes: list[str], task: str | None = None, out_dir: Path | None = None,
     progress: Any = None, loop_dynamic_sampling: bool = False,
+    algorithms: list[str] | None = None,
 ) -> list[RunFigures]:
-    from jetctl.recipe import load_recipe
+    """Every (latency, algorithm, seed) run in each mode; `algorithms` None: the recipe's."""
+    from jetctl.recipe import Recipe, load_recipe
 
     load_recipe(recipe_path)  # a broken recipe fails here, with its lines
     raw = yaml.safe_load(recipe_path.read_text())
     task = task or next(iter(raw["tasks"]))
     base = out_dir or Path(tempfile.mkdtemp(prefix="jetctl-bench-loop-"))
     results: list[RunFigures] = []
+    choices: list[str | None] = [*algorithms] if algorithms else [None]
     for latency in latencies:
-        for seed in seeds:
-            for mode in modes:
-                name = f"{mode}-lat{latency:g}-seed{seed}"
-                if progress:
-                    progress(f"{name}: {seconds:g}s")
-                rd = base / name
-                recipe = task_recipe(raw, task, seconds=seconds, latency_s=latency, seed=seed,
-                                     run_dir=rd)
-                if mode == "swarm":
-                    results.append(run_swarm(recipe, rd, latency, seed))
-                else:
-                    results.append(run_loop(recipe, rd, seconds, latency, seed,
-                                            dynamic_sampling=loop_dynamic_sampling))
+        for algorithm in choices:
+            for seed in seeds:
+                for mode in modes:
+                    tag = f"-{algorithm}" if algorithm else ""
+                    name = f"{mode}{tag}-lat{latency:g}-seed{seed}"
+                    if progress:
+                        progress(f"{name}: {seconds:g}s")
+                    rd = base / name
+                    recipe = task_recipe(raw, task, seconds=seconds, latency_s=latency,
+                                         seed=seed, run_dir=rd, algorithm=algorithm)
+                    if mode == "swarm":
+                        fig = run_swarm(recipe, rd, latency, seed)
+                    else:
+                        fig = run_loop(recipe, rd, seconds, latency, seed,
+                                       dynamic_sampling=loop_dynamic_sampling)
+                    fig.algorithm = Recipe.model_validate(recipe).models[
+                        next(iter(recipe["models"]))].train.algorithm
+                    results.append(fig)
     (base / "bench-loop.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     return results
 
@@ -399,19 +412,23 @@ def render(results: list[RunFigures]) -> Any:
     """One table: per latency, loop | swarm | swarm/loop (medians over seeds)."""
     from rich.table import Table
 
-    latencies = sorted({r.latency_s for r in results})
+    # a condition: one latency and one algorithm (several: --algorithms)
+    conditions = sorted({(r.latency_s, r.algorithm) for r in results})
+    several = len({r.algorithm for r in results}) > 1
     modes = [m for m in ("loop", "swarm") if any(r.mode == m for r in results)]
     seeds = sorted({r.seed for r in results})
     table = Table(title=f"jetctl bench loop: medians over seeds {seeds}; ratio = swarm / loop")
     table.add_column("figure")
-    for lat in latencies:
+    for lat, alg in conditions:
+        name = f"{lat:g}s {alg}" if several else f"{lat:g}s"
         for m in modes:
-            table.add_column(f"{m} {lat:g}s", justify="right")
+            table.add_column(f"{m} {name}", justify="right")
         if len(modes) == 2:
-            table.add_column(f"ratio {lat:g}s", justify="right")
+            table.add_column(f"ratio {name}", justify="right")
 
-    def pick(lat: float, mode: str) -> list[RunFigures]:
-        return [r for r in results if r.latency_s == lat and r.mode == mode]
+    def pick(condition: tuple[float, str], mode: str) -> list[RunFigures]:
+        return [r for r in results
+                if (r.latency_s, r.algorithm) == condition and r.mode == mode]
 
     rows: list[tuple[str, Any, str]] = [
         ("time to first step (s)", lambda r: r.first_step_s, "{:.1f}"),
@@ -431,10 +448,10 @@ def render(results: list[RunFigures]) -> Any:
     rows += [(f"  CPU s, {role}", _cpu(role), "{:.0f}") for role in roles]
     for label, get, fmt in rows:
         cells: list[str] = []
-        for lat in latencies:
+        for cond in conditions:
             meds = {}
             for m in modes:
-                runs = pick(lat, m)
+                runs = pick(cond, m)
                 vals = [get(r) for r in runs]
                 meds[m] = median_or_none(vals)
                 text = "-" if meds[m] is None else fmt.format(meds[m])
@@ -449,15 +466,16 @@ def render(results: list[RunFigures]) -> Any:
         if len(modes) < 2:
             break
         cells = []
-        for lat in latencies:
+        for cond in conditions:
             ratios = []
             for seed in seeds:
-                loop_s = [_reach(thr)(r) for r in pick(lat, "loop") if r.seed == seed]
-                swarm_s = [_reach(thr)(r) for r in pick(lat, "swarm") if r.seed == seed]
+                loop_s = [_reach(thr)(r) for r in pick(cond, "loop") if r.seed == seed]
+                swarm_s = [_reach(thr)(r) for r in pick(cond, "swarm") if r.seed == seed]
                 ratios.append(_seed_ratio(loop_s, swarm_s))
             cells += ["", "", ",".join(ratios)]
         table.add_row(f"reward >= {thr:g}, swarm/loop by seed", *cells)
-    ledgers = [f"{r.mode} {r.latency_s:g}s seed {r.seed}: {r.ledger}" for r in results if r.ledger]
+    ledgers = [f"{r.mode} {r.latency_s:g}s{' ' + r.algorithm if several else ''} seed {r.seed}: "
+               f"{r.ledger}" for r in results if r.ledger]
     from rich.console import Group
     from rich.text import Text
 

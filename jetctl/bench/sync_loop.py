@@ -13,10 +13,12 @@ agent, sampling and optimizer as the recipe's task:
         environment answers run in parallel (where `generation.dtype` asks for another dtype,
         or `auto` picks one on this host, generation runs on a copy in that dtype refreshed
         after each step, as the swarm's engine does)
-        score them (the env's reward); GRPO advantages per group; rows whose advantage is 0
-        are dropped; every group is trained as it comes: one PPO-clip step (jetctl's loss,
-        behaviour logprobs from generation, token-mean) over the batch packed with each
-        group's shared prefix once (a 4-D mask, logits only where a token is scored), AdamW,
+        score them (the env's reward); the algorithm's advantages per group (train.algorithm,
+        GRPO by default); rows whose advantage is 0 are dropped; every group is trained as
+        it comes: one step of the algorithm's loss (jetctl.server.algorithms; behaviour
+        logprobs from generation, or with train.tis_cap the trainer's own with the gap as a
+        capped weight, as the server's step does) over the batch packed with each group's
+        shared prefix once (a 4-D mask, logits only where a token is scored), AdamW,
         gradient clipping
 
 A round whose groups all scored the same has nothing to learn from and takes no step.
@@ -58,7 +60,6 @@ class LoopSpec:
     latency_s: float = 0.0
     threads: int = 0  # torch threads (0: all cores)
     dynamic_sampling: bool = False  # step only on groups_per_step groups whose rewards differ
-    algorithm: str = "grpo"  # jetctl.server.algorithms: advantages and loss
 
 
 @dataclass
@@ -223,6 +224,10 @@ class SyncLoop:
         )
         env = load_object(self.task["env"])(**self.task["env_args"])
         self.env = SlowEnv(env, spec.latency_s) if spec.latency_s > 0 else env
+        from jetctl.recipe import TrainConfig
+        from jetctl.server import algorithms
+
+        self.algorithm = algorithms.make(TrainConfig.model_validate(mc["train"]))
         self.agent = load_object(self.task["agent"])
         self.tasks = iter(self.env.tasks(random.Random(spec.seed)))
         eos = self.tokenizer.eos_token_id
@@ -321,28 +326,35 @@ class SyncLoop:
     def step(self, groups: list[list[_Rollout]]) -> bool:
         """One optimizer step on the groups' rows whose advantage is not 0; False (no step)
         when there are none."""
-        from jetctl.server.algorithms.grpo import group_advantages, grpo_loss
+        from jetctl.server.algorithms.base import StepTotals, tis_weights
 
         t0 = time.monotonic()
         packed_groups: list[list[_Row]] = []
+        rollouts = 0
         for g in groups:
-            rows = [
-                _Row(c.prompt_ids, c.completion_ids, c.logprobs, a)
-                for r, a in zip(g, group_advantages([r.reward for r in g])) if a != 0
-                for c in r.calls if c.completion_ids
-            ]
+            rows = []
+            for r, a in zip(g, self.algorithm.advantages([r.reward for r in g])):
+                mine = [_Row(c.prompt_ids, c.completion_ids, c.logprobs, a, rollouts)
+                        for c in r.calls if c.completion_ids and a != 0]
+                rollouts += bool(mine)
+                rows += mine
             if rows:
                 packed_groups.append(rows)
         if not packed_groups:
             return False
-        n_scored = sum(len(row.completion) for rows in packed_groups for row in rows)
+        totals = StepTotals(
+            tokens=sum(len(row.completion) for rows in packed_groups for row in rows),
+            sequences=rollouts, trajectories=rollouts,  # a rollout's calls: one sequence
+        )
+        tis_cap = self.spec.model["train"].get("tis_cap")
         for chunk in _chunks(packed_groups, self.spec.model["train"]["max_tokens_per_microbatch"]):
             batch = pack(chunk)
             new_lp = packed_logprobs(self.model, batch)
-            loss, _ = grpo_loss(
-                new_lp, batch.old_logprobs, batch.advantages,
-                clip_eps=self.spec.model["train"]["clip_eps"], normalizer=n_scored,
-            )
+            old_lp, weights = batch.old_logprobs, None
+            if tis_cap is not None:  # as the server's step: the trainer's own, the gap a weight
+                old_lp, weights = new_lp.detach(), tis_weights(new_lp, old_lp, tis_cap)
+            loss, _ = self.algorithm.loss(
+                new_lp, old_lp, batch.advantages, batch.seq_index, totals, weights=weights)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.spec.model["optimizer"]["max_grad_norm"])
         self.optimizer.step()
@@ -390,6 +402,7 @@ class _Row:
     completion: list[int]
     logprobs: list[float]  # behaviour logprobs of the completion
     advantage: float
+    rollout: int = 0  # the rollout it is a call of (per-sequence losses: GSPO)
 
 
 @dataclass
@@ -405,6 +418,7 @@ class Packed:
     targets: torch.Tensor  # [N]
     old_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
+    seq_index: torch.Tensor  # [N] the rollout each token belongs to (its calls: one sequence)
 
 
 def _common_prefix(rows: list[_Row]) -> int:
@@ -427,6 +441,7 @@ def pack(groups: list[list[_Row]]) -> Packed:
     targets: list[int] = []
     old: list[float] = []
     adv: list[float] = []
+    seq: list[int] = []
     for gi, rows in enumerate(groups):
         shared = _common_prefix(rows)
         last_shared = len(tokens) + shared - 1
@@ -449,6 +464,7 @@ def pack(groups: list[list[_Row]]) -> Packed:
                 targets.append(tok)
             old += row.logprobs[: len(row.completion)]
             adv += [row.advantage] * len(row.completion)
+            seq += [row.rollout] * len(row.completion)
     g = torch.tensor(group_of)
     b = torch.tensor(branch_of)
     n = len(tokens)
@@ -461,7 +477,7 @@ def pack(groups: list[list[_Row]]) -> Packed:
     return Packed(
         input_ids=torch.tensor([tokens]), position_ids=torch.tensor([positions]),
         mask=mask[None, None], pred=torch.tensor(pred), targets=torch.tensor(targets),
-        old_logprobs=torch.tensor(old), advantages=torch.tensor(adv),
+        old_logprobs=torch.tensor(old), advantages=torch.tensor(adv), seq_index=torch.tensor(seq),
     )
 
 

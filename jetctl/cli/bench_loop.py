@@ -21,6 +21,10 @@ def register(bench: typer.Typer) -> None:
         task: Annotated[str | None, typer.Option(help="The task to run (default: the first).")] = None,
         out: Annotated[Path | None, typer.Option(
             help="Folder for the runs and bench-loop.json (default: a temp folder).")] = None,
+        algorithms: Annotated[str | None, typer.Option(
+            help="Comma-separated train.algorithm values to compare, both sides each, e.g. "
+            "grpo,dr_grpo,dapo,gspo,rloo (default: the recipe's).",
+        )] = None,
         loop_dynamic_sampling: Annotated[bool, typer.Option(
             help="The loop steps only on groups_per_step groups whose rewards differ, as the "
             "swarm's trainer does (default: every round's groups are trained as they come).",
@@ -44,6 +48,13 @@ def register(bench: typer.Typer) -> None:
             fail(f"--modes {modes!r}: choose from swarm, loop")
         if any(x < 0 for x in latencies) or not latencies or not seed_list:
             fail("--env-latency needs values >= 0 and --seeds at least one seed")
+        from jetctl.server import algorithms as registry
+
+        algorithm_list = [a.strip() for a in (algorithms or "").split(",") if a.strip()] or None
+        unknown = sorted(set(algorithm_list or []) - set(registry.names()))
+        if unknown:
+            fail(f"--algorithms {algorithms!r}: {', '.join(unknown)} unknown; choose from "
+                 f"{', '.join(registry.names())}")
         if seconds < 10:
             fail(f"--seconds ({seconds:g}) must be at least 10")
         if not recipe.is_file():
@@ -51,10 +62,10 @@ def register(bench: typer.Typer) -> None:
         console = Console()
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
-        runs = len(latencies) * len(seed_list) * len(mode_list)
+        runs = len(latencies) * len(seed_list) * len(mode_list) * len(algorithm_list or [None])
         console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min)")
         results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
                          modes=mode_list, task=task, out_dir=out,
-                         loop_dynamic_sampling=loop_dynamic_sampling,
+                         loop_dynamic_sampling=loop_dynamic_sampling, algorithms=algorithm_list,
                          progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
         console.print(bl.render(results))

@@ -135,3 +135,30 @@ def test_the_loop_steps_on_every_round_with_signal_or_on_enough_informative_grou
     else:
         assert len(out["steps"]) == sum(1 for r in rounds if any(r))
     assert out["steps"] and any(not torch.equal(b, p) for b, p in zip(before, loop.params))
+
+
+@pytest.mark.parametrize("algorithm,tis_cap", [
+    ("grpo", None), ("dr_grpo", None), ("dapo", None), ("gspo", None), ("rloo", None),
+    ("grpo", 2.0),
+])
+def test_the_loop_trains_with_the_recipes_algorithm(algorithm: str, tis_cap: float | None) -> None:
+    """`jetctl bench loop --algorithms` runs both sides with train.algorithm: the loop takes
+    the registry's advantages and loss (and tis_cap as the server's step does)."""
+    from jetctl.server import algorithms
+
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    model = rec.models["policy"]
+    train = model.train.model_copy(update={"algorithm": algorithm, "tis_cap": tis_cap})
+    spec = LoopSpec(
+        model=model.model_copy(update={"train": train}).model_dump(mode="json"),
+        task=rec.tasks["digits"].model_dump(mode="json"), seconds=60, seed=0, threads=1,
+    )
+    loop = SyncLoop(spec, started=time.monotonic())
+    assert type(loop.algorithm) is type(algorithms.make(train))
+    groups = loop.rollouts(2)
+    for g in groups:  # rewards that differ, so every algorithm has a signal
+        for i, r in enumerate(g):
+            r.reward = float(i % 3)
+    before = [p.detach().clone() for p in loop.params]
+    assert loop.step(groups)
+    assert any(not torch.equal(b, p) for b, p in zip(before, loop.params))
