@@ -610,6 +610,7 @@ Row = Effect | CoveredBy | Served
 CONTROLLER = "tests/controller/test_controller.py"
 DOCKER = "tests/controller/test_docker_runtime.py"
 NODE = "tests/client/test_client_node.py"
+CONCURRENCY = "tests/client/test_concurrency.py"
 TRAINER = "tests/server/test_trainer.py"
 
 ROWS: dict[str, Row] = {
@@ -734,9 +735,8 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.group_size": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
     "tasks.<name>.concurrency": CoveredBy((
         f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",
-        "tests/client/test_concurrency.py::"
-        "test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_it_waits",
-        "tests/client/test_concurrency.py::test_a_node_backs_off_to_one_group_while_the_engine_is_full",
+        f"{CONCURRENCY}::test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_it_waits",
+        f"{CONCURRENCY}::test_a_node_backs_off_to_one_group_while_the_engine_is_full",
     )),
     "tasks.<name>.rollout_timeout_s": CoveredBy(
         (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",)),
