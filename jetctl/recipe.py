@@ -762,6 +762,53 @@ class RayConfig(_Strict):
     )
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow", "trackio"]
+# tracker -> (the module it needs, the pip line that installs it); jetctl.trackers uses them
+TRACKER_MODULES: dict[str, str] = {
+    "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
+}
+
+
+class TrackerConfig(_Strict):
+    """One experiment tracker of `run.trackers`: a name, or a mapping with its options."""
+
+    name: TrackerName
+    project: str | None = Field(
+        default=None,
+        description="W&B project, MLflow experiment or trackio project (null: run.name)",
+    )
+    mode: Literal["online", "offline"] | None = Field(
+        default=None, description="wandb only: offline writes run files and needs no network",
+    )
+    dir: str | None = Field(
+        default=None,
+        description="where it writes (null: <run dir>/trackers/<name>; trackio: its own store "
+        "unless set)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _usable(self) -> TrackerConfig:
+        problems = []
+        if self.mode is not None and self.name != "wandb":
+            problems.append(Problem(("mode",), self.mode, "is a wandb option: remove it"))
+        # find_spec, not import: the trackers are heavy, and the recipe imports light
+        if importlib.util.find_spec(TRACKER_MODULES[self.name]) is None:
+            problems.append(
+                Problem(
+                    ("name",), self.name,
+                    f"is not installed: pip install 'jetctl[trackers]' "
+                    f"(or pip install {TRACKER_MODULES[self.name]})",
+                )
+            )
+        _raise_problems(problems)
+        return self
+
+
 class RunConfig(_Strict):
     name: str = Field(default="run", description="run name; names the run directory")
     dir: str | None = Field(default=None, description="run directory (null: runs/<name>)")
@@ -782,6 +829,12 @@ class RunConfig(_Strict):
         default=1.0, gt=0, description="first delay before a dead process is restarted; doubles"
     )
     restart_backoff_max_s: float = Field(default=30.0, gt=0, description="cap on that delay")
+    trackers: list[TrackerConfig] = Field(
+        default=[],
+        description="experiment trackers each server sends its step rows, the recipe and a "
+        "sample of each step's rollouts to: names (tensorboard, wandb, mlflow, trackio) or "
+        "mappings {name, project, mode, dir} (jetctl.trackers; pip install 'jetctl[trackers]')",
+    )
 
     @model_validator(mode="after")
     def _backoff_order(self) -> RunConfig:

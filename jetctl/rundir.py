@@ -69,6 +69,10 @@ class RunPaths:
     def log(self, node: str) -> Path:
         return self.logs / f"{node}.log"
 
+    def json_log(self, process: str) -> Path:
+        """`process`'s structured log lines, one JSON object each (jetctl.logs)."""
+        return self.logs / f"{process}.jsonl"
+
     def pid_file(self, node: str) -> Path:
         return self.pids / f"{node}.pid"
 

@@ -630,6 +630,8 @@ ROWS: dict[str, Row] = {
     "run.ray.namespace": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
     "run.ray.runtime_env": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
     "run.ray.work_dir": CoveredBy(("tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up",)),
+    "run.trackers": CoveredBy(("tests/test_observability.py::test_tensorboard_holds_the_runs_reward_series",
+                               "tests/test_trackers.py::test_recipe_refuses_mode_outside_wandb_and_a_missing_tracker")),
     "run.duration_s": CoveredBy(
         (f"{CONTROLLER}::test_duration_stops_the_run_and_sigkills_a_node_that_ignores_sigterm",)),
     "run.restart_backoff_s": Effect(restart_backoff, integration=True),

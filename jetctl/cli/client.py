@@ -123,7 +123,9 @@ def register(app: typer.Typer) -> None:
         import logging
 
         from jetctl.link import CONTROL_ENV
+        from jetctl.logs import install_json_log
         from jetctl.models import quiet_model_libraries
+        from jetctl.rundir import RunPaths
 
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -135,6 +137,10 @@ def register(app: typer.Typer) -> None:
         if control is None and recipe is None:
             fail("pass --join CONTROLLER_ADDR (a running run) or --recipe RECIPE (no controller)")
         run_dir = run_dir.resolve()
+        # a node joining by hand without --name learns its name at Join: until then, its pid
+        process = name or (default_node_name(task, index) if index is not None
+                           else f"{task}-pid{os.getpid()}")
+        install_json_log(RunPaths(run_dir), process, task=task)
         token = _token(token, run_dir)
         files = node_tls(tls, tls_dir, run_dir)
         options = _NodeOptions(

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from jetctl.link import ControlLink
     from jetctl.recipe import ModelConfig
     from jetctl.tls import TlsFiles
+    from jetctl.trackers import TrackingPlan
 
 
 def register(app: typer.Typer) -> None:
@@ -64,7 +65,9 @@ def register(app: typer.Typer) -> None:
         import logging
 
         from jetctl.link import CONTROL_ENV
+        from jetctl.logs import install_json_log
         from jetctl.models import quiet_model_libraries
+        from jetctl.rundir import RunPaths
 
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -74,6 +77,7 @@ def register(app: typer.Typer) -> None:
         if control is None and recipe is None:
             fail("pass --join CONTROLLER_ADDR (a running run) or --recipe RECIPE (no controller)")
         run_dir = run_dir.resolve()
+        install_json_log(RunPaths(run_dir), f"server-{model}", model=model)
         token = _token(token, run_dir)
         if control is not None:
             code = asyncio.run(_joined_server(control, token, model, run_dir, port,
@@ -89,10 +93,13 @@ async def _joined_server(
     control: str, token: str, model: str, run_dir: Path, port: int | None, metrics_port: int,
     no_train: bool, tls_mode: str | None, tls_dir: Path | None,
 ) -> int:
+    from pydantic import ValidationError
+
     from jetctl.cli.client import node_tls
     from jetctl.link import ControlLink, JoinRefused
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.recipe import ModelConfig
+    from jetctl.trackers import TrackingPlan
 
     tls = node_tls(tls_mode, tls_dir, run_dir)
     link = ControlLink(control, token, tls=tls)
@@ -102,7 +109,13 @@ async def _joined_server(
         await link.close()
         fail(f"the controller at {control} refused this server: {e}")
     cfg = ModelConfig.model_validate_json(reply.model_json)
-    return await _serve(model, cfg, token, run_dir, port, metrics_port, no_train, tls, link)
+    try:
+        tracking = TrackingPlan.from_json(reply.recipe_json)
+    except ValidationError as exc:  # a tracker the recipe names is not installed here
+        await link.close()
+        fail(f"run.trackers: {exc.errors()[0]['msg']}")
+    return await _serve(model, cfg, token, run_dir, port, metrics_port, no_train, tls, link,
+                        tracking)
 
 
 async def _lone_server(
@@ -112,6 +125,7 @@ async def _lone_server(
     from jetctl.cli.client import node_tls
     from jetctl.recipe import RecipeError, load_recipe
     from jetctl.tls import tls_files
+    from jetctl.trackers import TrackingPlan
 
     try:
         rec = load_recipe(recipe)
@@ -121,12 +135,13 @@ async def _lone_server(
         fail(f"model {model!r} is not in {recipe} (models: {', '.join(rec.models)})")
     tls = node_tls(tls_mode, tls_dir, run_dir) if tls_mode else tls_files(rec.run.tls, run_dir)
     return await _serve(model, rec.models[model], token, run_dir, port, metrics_port, no_train,
-                        tls, None)
+                        tls, None, TrackingPlan.from_recipe(rec))
 
 
 async def _serve(
     model: str, cfg: ModelConfig, token: str, run_dir: Path, port: int | None,
     metrics_port: int, no_train: bool, tls: TlsFiles | None, link: ControlLink | None,
+    tracking: TrackingPlan | None,
 ) -> int:
     from jetctl.server.app import ServerOptions, serve
     from jetctl.tls import TlsError
@@ -139,7 +154,7 @@ async def _serve(
     opts = ServerOptions(
         name=model, cfg=cfg, run_dir=run_dir, token=token,
         port=cfg.port if port is None else port, metrics_port=metrics_port,
-        train=not no_train, tls=tls, link=link,
+        train=not no_train, tls=tls, link=link, tracking=tracking,
     )
     return await serve(opts)
 

@@ -74,6 +74,9 @@ def up(
         return
     console = Console()
     _configure_logging(RunPaths(rd).controller_log, console)
+    from jetctl.logs import install_json_log
+
+    install_json_log(RunPaths(rd), "controller")
     ctl = _set_up_controller(rec, recipe, rd, resume, grace)
     loop = threading.Thread(target=ctl.serve_forever, name="reconcile")
     loop.start()
@@ -140,7 +143,11 @@ def controller(
     grace: Annotated[float, typer.Option("--grace")] = 30.0,
 ) -> None:
     """The background controller of `jetctl up --detach` (logs to stderr = logs/controller.log)."""
+    from jetctl.logs import install_json_log
+    from jetctl.rundir import RunPaths
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_json_log(RunPaths(run_dir.resolve()), "controller")
     rec = load_recipe_or_fail(recipe)
     _set_up_controller(rec, recipe, run_dir, resume, grace).serve_forever()
 

@@ -114,6 +114,7 @@ class Hub:
             name=name, run=self.recipe.run.name,
             model_json=self.recipe.models[req.model].model_dump_json(exclude_unset=True),
             tls_mode=self.recipe.run.tls.mode, refused_revisions=sorted(refused),
+            recipe_json=self.recipe.model_dump_json(exclude={"run": {"token"}}),
         )
 
     # ------------------------------------------------------------------ sync

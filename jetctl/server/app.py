@@ -44,6 +44,7 @@ from jetctl.server.step import load_trainable
 from jetctl.server.store import GroupCodec, TrajectoryStore
 from jetctl.server.trainer import Trainer
 from jetctl.tls import TlsFiles, add_port
+from jetctl.trackers import Trackers, TrackingPlan
 
 log = logging.getLogger("jetctl.server")
 STALL_TIMEOUT_S = 900.0  # a step or generation batch running longer is a hang
@@ -60,6 +61,7 @@ class ServerOptions:
     train: bool = True  # False: serve and store only (benchmarks)
     tls: TlsFiles | None = None  # run.tls; None: plaintext
     link: ControlLink | None = None  # the controller; None: a server on its own
+    tracking: TrackingPlan | None = None  # run.trackers; None: the step log only
 
 
 def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
@@ -103,10 +105,13 @@ async def serve(opts: ServerOptions) -> int:
         max_buffer_groups=cfg.limits.max_buffer_groups,
     )
     journal = Journal.install(store.path, STORE_TABLES)  # before the store writes anything
+    trackers = None if opts.tracking is None else Trackers.open(
+        opts.tracking, model=opts.name, run_dir=opts.run_dir, decode=tokenizer.decode,
+    )
     trainer = Trainer(
         model, cfg, store, weights_lock=lock, checkpoint_dir=ckpt_dir,
         steps_log=paths.steps_log(opts.name), on_step=metrics.on_step,
-        faults=faults, threads=train_threads,
+        faults=faults, threads=train_threads, trackers=trackers,
     )
     phase("restoring the last checkpoint")
     version = trainer.resume()
@@ -261,6 +266,8 @@ async def serve(opts: ServerOptions) -> int:
     log.info("draining: finishing the current step and checkpointing")
     await health_servicer.enter_graceful_shutdown()
     await asyncio.to_thread(trainer.stop)
+    if trackers is not None:
+        await asyncio.to_thread(trackers.close)
     await server.stop(grace=5.0)
     await engine.stop()
     store.close()

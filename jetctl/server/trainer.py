@@ -7,7 +7,8 @@
     train_step (jetctl/server/step.py): advantages -> sequences -> packing -> per
       micro-batch forward, loss, backward -> clipping
     under the weights lock: optimizer step, version += 1  (generation sees whole versions)
-    mark the groups trained at that version; publish; log the step; checkpoint every K steps
+    mark the groups trained at that version; publish; log the step (and send it to
+      run.trackers, jetctl/trackers.py); checkpoint every K steps
 
 Gathering (`step_once` down to `_close`) is what this file owns; the gradients of a step are
 step.py's, the loss the algorithm's (`train.algorithm`, jetctl/server/algorithms/), and the
@@ -52,6 +53,7 @@ from jetctl.server.locks import WeightsLock
 from jetctl.server.mixing import BatchMix
 from jetctl.server.step import train_step
 from jetctl.server.store import StoredGroup, TrajectoryStore
+from jetctl.trackers import Trackers
 
 
 class Trainer:
@@ -69,6 +71,7 @@ class Trainer:
         publish: Callable[[int], float] | None = None,
         threads: int | None = None,
         extra_scalars: Callable[[], dict[str, float]] | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -81,6 +84,7 @@ class Trainer:
         # torch CPU threads of the training thread (None: train.threads, else as set)
         self.threads = threads or cfg.train.threads
         self.extra_scalars = extra_scalars  # more figures for each step row (the engine's)
+        self.trackers = trackers  # run.trackers: each step row goes there too (jetctl.trackers)
         if cfg.train.kl_coef > 0 and not W.is_lora(model):
             raise ValueError(
                 "train.kl_coef > 0 needs finetune: lora (the reference is the base model with "
@@ -352,7 +356,11 @@ class Trainer:
         f.last_step = scalars
         if self.extra_scalars is not None:
             scalars.update(self.extra_scalars())
+        if self.trackers is not None:
+            scalars["trackers/failures"] = float(self.trackers.failures)
         self._log(scalars)
+        if self.trackers is not None:
+            self.trackers.log(scalars, [s.group for s in batch], self.algorithm.advantages)
         if self.on_step:
             self.on_step(scalars)
         if self.version != version_before and self.version % self.cfg.checkpoint.every_steps == 0:

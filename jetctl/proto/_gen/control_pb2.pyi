@@ -123,7 +123,7 @@ class JoinRequest(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., revision: _Optional[str] = ..., host: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("name", "run", "revision", "index", "agent", "task_json", "model_json", "tls_mode", "servers", "refused_revisions")
+    __slots__ = ("name", "run", "revision", "index", "agent", "task_json", "model_json", "tls_mode", "servers", "refused_revisions", "recipe_json")
     class ServersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class JoinReply(_message.Message):
     TLS_MODE_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     run: str
     revision: str
@@ -151,7 +152,8 @@ class JoinReply(_message.Message):
     tls_mode: str
     servers: _containers.ScalarMap[str, str]
     refused_revisions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., run: _Optional[str] = ..., revision: _Optional[str] = ..., index: _Optional[int] = ..., agent: _Optional[str] = ..., task_json: _Optional[str] = ..., model_json: _Optional[str] = ..., tls_mode: _Optional[str] = ..., servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ...) -> None: ...
+    recipe_json: str
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[str] = ..., revision: _Optional[str] = ..., index: _Optional[int] = ..., agent: _Optional[str] = ..., task_json: _Optional[str] = ..., model_json: _Optional[str] = ..., tls_mode: _Optional[str] = ..., servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., recipe_json: _Optional[str] = ...) -> None: ...
 
 class LedgerRecord(_message.Message):
     __slots__ = ("seq", "table", "op", "key", "data")

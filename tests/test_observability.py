@@ -1,0 +1,116 @@
+"""A short real run of builtin:tiny (`jetctl up --detach`) with `run.trackers: [tensorboard]`:
+`jetctl logs` merges every process's lines and `-f` follows the live run, and TensorBoard's
+event files hold the same reward series as the step log (jetctl.logs, jetctl.trackers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPE = """
+run:
+  name: obs
+  duration_s: 600
+  trackers: [tensorboard]
+models:
+  policy:
+    model: builtin:tiny
+    finetune: full
+    optimizer: {lr: 2.0e-3}
+    train: {groups_per_step: 2, max_staleness: 2, max_steps: 4}
+tasks:
+  digits:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+    clients: 1
+    group_size: 8
+    sampling: {max_tokens: 4}
+"""
+
+
+def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, check=check)
+
+
+def _steps(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics" / "policy.steps.jsonl"
+    return [json.loads(t) for t in path.read_text().splitlines()] if path.exists() else []
+
+
+@dataclass(frozen=True)
+class Run:
+    dir: Path
+    followed: list[str]  # what `jetctl logs -f --server policy --grep draining` printed
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """Up, 3 optimizer steps, then `jetctl down` while `jetctl logs -f` follows: the server's
+    drain line is written only after the follower started, so seeing it means following."""
+    tmp = tmp_path_factory.mktemp("obs")
+    (tmp / "obs.yaml").write_text(RECIPE)
+    rd = tmp / "run"
+    jetctl("up", str(tmp / "obs.yaml"), "--detach", "--run-dir", str(rd))
+    try:
+        deadline = time.monotonic() + 300
+        while len([s for s in _steps(rd) if s["stepped"]]) < 3:
+            assert time.monotonic() < deadline, "fewer than 3 steps in 300 s"
+            time.sleep(2)
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "jetctl.cli.main", "logs", str(rd), "-f", "--server",
+             "policy", "--grep", "draining"],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        time.sleep(3)  # it has read what is there: no drain line yet
+        assert "draining" not in (rd / "logs" / "server-policy.jsonl").read_text()
+        jetctl("down", "--run-dir", str(rd))  # the server closes its trackers as it drains
+        assert follow.stdout is not None
+        followed = [follow.stdout.readline()]  # blocks until -f prints the new line
+        follow.terminate()
+        follow.wait(timeout=10)
+        yield Run(rd, followed)
+    finally:
+        jetctl("down", "--run-dir", str(rd), check=False)
+
+
+def test_logs_follow_prints_a_line_written_after_it_started(run: Run) -> None:
+    (line,) = run.followed
+    assert " server-policy " in line and "draining" in line
+
+
+def test_logs_merges_every_process_in_time_order(run: Run) -> None:
+    out = [x for x in jetctl("logs", str(run.dir)).stdout.splitlines() if x[:2].isdigit()]
+    assert {"controller", "server-policy", "digits-0"} <= {x.split()[1] for x in out}, out
+    # one day's lines (the run is minutes long): HH:MM:SS.mmm sorts as time does
+    assert [x.split()[0] for x in out] == sorted(x.split()[0] for x in out)
+    only = [x for x in jetctl("logs", str(run.dir), "--task", "digits").stdout.splitlines()
+            if x[:2].isdigit()]
+    assert only and {x.split()[1] for x in only} == {"digits-0"}, only
+
+
+def test_tensorboard_holds_the_runs_reward_series(run: Run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = _steps(run.dir)
+    acc = EventAccumulator(str(run.dir / "trackers" / "tensorboard" / "obs-policy"))
+    acc.Reload()
+    series = [(e.step, e.value) for e in acc.Scalars("policy/reward/mean")]
+    # every row of the step log, at its step (float32 in the event file)
+    assert series == [(int(s["step"]), pytest.approx(s["reward/mean"], abs=1e-6))
+                      for s in steps]
+    assert len([s for s in steps if s["stepped"]]) >= 3
