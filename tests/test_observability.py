@@ -114,3 +114,4 @@ def test_tensorboard_holds_the_runs_reward_series(run: Run) -> None:
     assert series == [(int(s["step"]), pytest.approx(s["reward/mean"], abs=1e-6))
                       for s in steps]
     assert len([s for s in steps if s["stepped"]]) >= 3
+    assert [s["trackers/failures"] for s in steps] == [0.0] * len(steps)  # none failed

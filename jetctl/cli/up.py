@@ -64,6 +64,7 @@ def up(
     grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
+    from jetctl.logs import install_json_log
     from jetctl.rundir import RunPaths
     from jetctl.status import document, finished_summary, render_progress, render_summary
 
@@ -74,8 +75,6 @@ def up(
         return
     console = Console()
     _configure_logging(RunPaths(rd).controller_log, console)
-    from jetctl.logs import install_json_log
-
     install_json_log(RunPaths(rd), "controller")
     ctl = _set_up_controller(rec, recipe, rd, resume, grace)
     loop = threading.Thread(target=ctl.serve_forever, name="reconcile")
