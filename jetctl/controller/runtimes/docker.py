@@ -344,8 +344,8 @@ class DockerRuntime(Runtime):
     def _volumes(
         self, spec: NodeSpec, c: ContainerSpec, uid: int, gid: int
     ) -> dict[str, dict[str, str]]:
-        """The node's spool folder and log file (made here, owned by the container's user),
-        and the read-only mounts it asks for."""
+        """The node's spool folder, log file and JSON log (made here, owned by the container's
+        user), and the read-only mounts it asks for."""
         spool = c.spool or self.paths.container_spool(spec.name)
         spool.mkdir(parents=True, exist_ok=True)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,11 +353,14 @@ class DockerRuntime(Runtime):
             log_file.write(
                 f"\n--- jetctl: starting {spec.name} in {c.image}: {' '.join(spec.argv)}\n".encode()
             )
-        for path in (spool, spool.parent, spec.log_path):
+        json_log = self.paths.json_log(spec.name)  # jetctl.logs: its structured lines
+        json_log.touch(exist_ok=True)
+        for path in (spool, spool.parent, spec.log_path, json_log):
             os.chown(path, uid, gid)
         volumes = {
             str(spool): {"bind": str(self.paths.spool_dir), "mode": "rw"},
             str(spec.log_path): {"bind": str(spec.log_path), "mode": "rw"},
+            str(json_log): {"bind": str(json_log), "mode": "rw"},
         }
         for m in (*c.mounts, *self.extra_mounts):
             source = self._private_copy(spec.name, m.source, uid, gid) if m.private else m.source
