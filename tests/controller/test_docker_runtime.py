@@ -126,6 +126,7 @@ def test_a_container_is_labelled_limited_and_logged(docker_client: Any, run_dir:
     assert mounts == {
         str(root / "spool"): (str(root / "containers" / "arith-0" / "spool"), True),
         str(root / "logs" / "arith-0.log"): (str(root / "logs" / "arith-0.log"), True),
+        str(root / "logs" / "arith-0.jsonl"): (str(root / "logs" / "arith-0.jsonl"), True),
     }
     line = wait_for(
         lambda: [x for x in (run_dir / "logs" / "arith-0.log").read_text().splitlines()

@@ -180,6 +180,7 @@ def test_a_hostile_agent_is_contained_and_the_run_keeps_training(
     assert mounts == {
         str(run_dir / "spool"): (str(run_dir / "containers" / "digits-0" / "spool"), True),
         str(run_dir / "logs" / "digits-0.log"): (str(run_dir / "logs" / "digits-0.log"), True),
+        str(run_dir / "logs" / "digits-0.jsonl"): (str(run_dir / "logs" / "digits-0.jsonl"), True),
         "/opt/hostile": (str(agent_dir), False),
         **{f"/run/jetctl/tls/{f}": (str(run_dir / "tls" / f), False) for f in ("ca.pem", "client.pem")},
         "/run/jetctl/tls/client.key": (
