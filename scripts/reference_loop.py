@@ -57,7 +57,8 @@ rewards, steps, ends = [], 0, []
 reach = {0.5: None, 0.8: None}
 while time.monotonic() - T0 < args.seconds:
     qs = [next(tasks) for _ in range(2)]
-    prompts = [tok.apply_chat_template(q.data["messages"], add_generation_prompt=True) for q in qs]
+    prompts = [tok.apply_chat_template(q.data["messages"], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"] for q in qs]
     width = max(map(len, prompts))
     pads = [width - len(pr) for pr in prompts for _ in range(G)]
     ids = torch.tensor([[tok.pad_token_id] * (width - len(pr)) + pr for pr in prompts for _ in range(G)])
