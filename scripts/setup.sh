@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 echo "[setup] installing jetctl and its dependencies"
 log=$(mktemp)
-if ! .venv/bin/pip install -q -e '.[dev,docker,browser,ray,trackers]' >"$log" 2>&1; then
+if ! .venv/bin/pip install -q -e '.[dev,docker,browser,ray,trackers,research]' >"$log" 2>&1; then
   grep -v "is ignored: it is neither" "$log" >&2; rm -f "$log"; exit 1
 fi
 rm -f "$log"
