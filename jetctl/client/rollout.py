@@ -12,6 +12,15 @@ With a `registry` folder the runner records each live rollout there (pid and sta
 so a restarted node can kill the groups that its killed predecessor left behind
 (`reap_leftovers`).
 
+A broken forkserver is rebuilt, not lived with. A forkserver whose own fork fails (EAGAIN at
+a container's pids limit, while an agent's fork bomb holds every pid) dies of it; until
+`waitpid` reports it dead, multiprocessing keeps sending starts to its closed socket
+(`ConnectionRefusedError`), so a node would drop every group it starts in that window. A
+start that fails so kills what is left of the forkserver, forgets it (the next start launches
+a fresh one) and tries again with a growing backoff (`START_BACKOFF_S`); one rebuild serves
+every rollout that failed on the same forkserver. Only when every try fails does `run` raise
+`RolloutPoolError` (its group is dropped as failed, and the next start tries again).
+
 The child sends one `RolloutResult` back over a pipe: reward, status (ok | failed), error
 text with traceback, timings. The parent turns a timeout into status `timeout` and a child
 that died without a result into `failed`.
@@ -25,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import signal
 import time
@@ -40,8 +51,17 @@ from typing import Any
 from jetctl import proctree
 from jetctl.env import LLM, Task
 
+log = logging.getLogger(__name__)
+
 MAX_ERROR_CHARS = 16_000  # keeps the result well under a pipe buffer's size
 MAIN_ENV = "JETCTL_ROLLOUT_MAIN"  # "path:<file>" or "name:<module>" of the node's __main__
+# waits before each retry of a failed start (the pool is rebuilt before each): ~6 s in all,
+# longer than a fork bomb's children live in the attack test (3 s)
+START_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+
+
+class RolloutPoolError(RuntimeError):
+    """No rollout process could be started, even from a rebuilt forkserver."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +202,27 @@ def reap_leftovers(registry: Path) -> int:
     return reaped
 
 
+def stop_forkserver() -> None:
+    """Kill this process's forkserver, if it has one, and forget it: the next start launches
+    a fresh one. (`ForkServer._stop` alone would wait for a hung one forever.)"""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # CPython's ForkServer; its state is private
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone, not yet reaped: _stop reaps it
+    try:
+        server._stop()  # closes its fds, reaps it, unlinks its socket
+    except (ChildProcessError, FileNotFoundError):
+        # reaped elsewhere, or its socket already gone: forget it all the same
+        server._forkserver_pid = None
+        server._forkserver_address = None
+
+
 class RolloutRunner:
     """Starts rollout processes from a forkserver and waits for them with a timeout."""
 
@@ -203,6 +244,38 @@ class RolloutRunner:
         self._executor = ThreadPoolExecutor(
             max_workers=max_workers + 2, thread_name_prefix="rollout"
         )
+        self.pool_rebuilds = 0  # forkservers replaced after a failed start
+        self._rebuild_lock = asyncio.Lock()
+
+    async def _start(
+        self, spec: RolloutSpec, writer: multiprocessing.connection.Connection
+    ) -> multiprocessing.context.ForkServerProcess:
+        """Start the rollout's process; on a failed start rebuild the pool and try again."""
+        loop = asyncio.get_running_loop()
+        for attempt, backoff_s in enumerate((*START_BACKOFF_S, None)):
+            generation = self.pool_rebuilds
+            proc = self._ctx.Process(
+                target=child_main, args=(spec, writer), name="jetctl-rollout", daemon=False
+            )
+            try:
+                await loop.run_in_executor(self._executor, proc.start)
+                return proc
+            except (EOFError, OSError) as e:
+                if backoff_s is None:
+                    raise RolloutPoolError(
+                        f"no rollout process could be started after {attempt + 1} tries, the "
+                        f"forkserver rebuilt before each: {type(e).__name__}: {e}"
+                    ) from e
+                async with self._rebuild_lock:
+                    if self.pool_rebuilds == generation:  # else another rollout rebuilt it
+                        log.warning(
+                            "a rollout process could not start (%s: %s): rebuilding the "
+                            "rollout forkserver", type(e).__name__, e,
+                        )
+                        await loop.run_in_executor(self._executor, stop_forkserver)
+                        self.pool_rebuilds += 1
+                await asyncio.sleep(backoff_s)
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -210,12 +283,12 @@ class RolloutRunner:
     async def run(self, spec: RolloutSpec, timeout_s: float) -> RolloutResult:
         loop = asyncio.get_running_loop()
         reader, writer = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(
-            target=child_main, args=(spec, writer), name="jetctl-rollout", daemon=False
-        )
         t0 = time.monotonic()
         try:
-            await loop.run_in_executor(self._executor, proc.start)
+            proc = await self._start(spec, writer)
+        except BaseException:
+            reader.close()
+            raise
         finally:
             writer.close()
         assert proc.pid is not None

@@ -6,7 +6,7 @@ place it may write that the test can read), after each attempt; then, and on eve
 rollout, it plays the digits task like `agents.digits`. Every attempt records an outcome
 string; the test decides what counts as contained. The fork bomb, last, takes every pid
 the container has for a few seconds: the node's own rollout forkserver or this rollout may
-die of it (that node's later rollouts fail: its own loss, not the run's).
+die of it (the node rebuilds its forkserver and its later rollouts run: rollout.py).
 
 Its settings come from `target.json` beside it (mounted read-only): the host port of a
 service the test listens on (0.0.0.0) and the pids limit of the container.
