@@ -45,6 +45,7 @@ WINDOW = 20  # groups in the rolling reward (10 batches of the quickstart's 2 gr
 THRESHOLDS = (0.5, 0.8)
 FINAL_GROUPS = 32  # the final reward: mean of the last this many groups
 SPREAD_ROWS = ("seconds per step", "reward >= 0.5 at (s)", "reward >= 0.8 at (s)",
+               "steps to reward >= 0.8", "groups trained to reward >= 0.8",
                f"reward, last {FINAL_GROUPS} groups")
 
 
@@ -69,6 +70,9 @@ class RunFigures:
     staleness_mean: float
     cpu_s: dict[str, float]  # process role -> CPU seconds (user + system)
     algorithm: str = ""  # train.algorithm of both sides
+    # threshold -> optimizer steps ended by then, and the groups with a signal they trained
+    steps_to: dict[str, int | None] = field(default_factory=dict)
+    groups_to: dict[str, int | None] = field(default_factory=dict)
     ledger: str = ""  # swarm: "balanced" or the problems
     run_dir: str = ""
     curve: list[tuple[float, float]] = field(default_factory=list)  # (t, rolling reward)
@@ -78,11 +82,15 @@ def figures(
     mode: str, latency_s: float, seed: int, wall_s: float, groups: list[dict[str, Any]],
     step_times: list[float], train: list[tuple[float, float]], gen_batches: list[float],
     staleness: list[float], cpu_s: dict[str, float], skipped: int | None = None,
+    step_groups: list[int] | None = None,
 ) -> RunFigures:
     """The same figures for both modes, from per-group and per-step records (`train`: each
-    step's end time and seconds of training)."""
+    step's end time and seconds of training; `step_groups`: the groups with a signal each
+    step trained, in the order of `step_times`)."""
     groups = sorted(groups, key=lambda g: g["t"])
-    step_times = sorted(step_times)
+    order = sorted(range(len(step_times)), key=lambda i: step_times[i])
+    trained = [step_groups[i] for i in order] if step_groups is not None else None
+    step_times = [step_times[i] for i in order]
     first = step_times[0] if step_times else None
     rewards = [g["reward"] for g in groups]
     curve: list[tuple[float, float]] = []
@@ -94,6 +102,12 @@ def figures(
             if reach[f"{thr:g}"] is None and mean >= thr:
                 reach[f"{thr:g}"] = groups[i]["t"]
     after = [g for g in groups if first is not None and g["t"] >= first]
+    steps_to: dict[str, int | None] = {}
+    groups_to: dict[str, int | None] = {}
+    for key, at in reach.items():  # learning per step and per group: what it took to get there
+        done = None if at is None else sum(1 for t in step_times if t <= at)
+        steps_to[key] = done
+        groups_to[key] = None if done is None or trained is None else sum(trained[:done])
     span = wall_s - first if first is not None else 0.0
     sec_per_step = (
         (step_times[-1] - step_times[0]) / (len(step_times) - 1) if len(step_times) > 1 else None
@@ -105,7 +119,7 @@ def figures(
             skipped if skipped is not None else sum(1 for g in groups if not g["informative"])),
         sec_per_step=sec_per_step,
         traj_per_s=sum(g["n"] for g in after) / span if span > 0 else 0.0,
-        reach_s=reach,
+        reach_s=reach, steps_to=steps_to, groups_to=groups_to,
         final_reward=_mean(rewards[-FINAL_GROUPS:]),
         first_reward=_mean(rewards[:FINAL_GROUPS]),
         trainer_busy=_busy(train, first, wall_s),
@@ -274,6 +288,7 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
         train=[(s["time"] - t0_wall, s["timing/train_s"]) for s in steps],
         gen_batches=gen, staleness=[s["staleness/mean"] for s in stepped], cpu_s=cpu,
         skipped=int(sum(s.get("groups/skipped", 0) for s in steps)),
+        step_groups=[int(s.get("groups", 0)) for s in stepped],
     )
     ledger = build_ledger(run_dir)
     fig.ledger = "balanced" if ledger.balanced else "NOT BALANCED: " + "; ".join(
@@ -335,6 +350,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
         list(zip(out["steps"], out["train_s"])),
         [float(b) for b in out["gen_batches"]], [0.0] * len(out["steps"]),
         {"loop": usage.ru_utime + usage.ru_stime, "all": usage.ru_utime + usage.ru_stime},
+        step_groups=out.get("step_groups"),
     )
 
 
@@ -404,6 +420,14 @@ def _reach(threshold: float) -> Any:
     return lambda r: r.reach_s[f"{threshold:g}"]
 
 
+def _steps_to(threshold: float) -> Any:
+    return lambda r: r.steps_to.get(f"{threshold:g}")
+
+
+def _groups_to(threshold: float) -> Any:
+    return lambda r: r.groups_to.get(f"{threshold:g}")
+
+
 def _cpu(role: str) -> Any:
     return lambda r: r.cpu_s.get(role)
 
@@ -436,6 +460,10 @@ def render(results: list[RunFigures]) -> Any:
         ("seconds per step", lambda r: r.sec_per_step, "{:.2f}"),
         ("trajectories/s", lambda r: r.traj_per_s, "{:.2f}"),
         *[(f"reward >= {t:g} at (s)", _reach(t), "{:.0f}") for t in THRESHOLDS],
+        # learning per step and per informative group (the steps and groups trained by then)
+        (f"steps to reward >= {THRESHOLDS[-1]:g}", _steps_to(THRESHOLDS[-1]), "{:.0f}"),
+        (f"groups trained to reward >= {THRESHOLDS[-1]:g}", _groups_to(THRESHOLDS[-1]),
+         "{:.0f}"),
         (f"reward, first {FINAL_GROUPS} groups", lambda r: r.first_reward, "{:.2f}"),
         (f"reward, last {FINAL_GROUPS} groups", lambda r: r.final_reward, "{:.2f}"),
         ("groups skipped (no variance)", lambda r: r.groups_skipped / max(r.groups, 1), "{:.0%}"),

@@ -237,7 +237,9 @@ class SyncLoop:
         self._rendered: dict[str, list[int]] = {}  # conversation -> prompt ids, one round
         self._render_lock = threading.Lock()
         self.version = 0
-        self.out: dict[str, Any] = {"groups": [], "steps": [], "gen_batches": [], "train_s": []}
+        self.out: dict[str, Any] = {
+            "groups": [], "steps": [], "gen_batches": [], "train_s": [], "step_groups": [],
+        }
 
     # --- rollouts ----------------------------------------------------------------------
 
@@ -364,6 +366,7 @@ class SyncLoop:
             self.replica.publish(self.version)
         self.out["train_s"].append(time.monotonic() - t0)
         self.out["steps"].append(time.monotonic() - self.t0)
+        self.out["step_groups"].append(len(packed_groups))  # groups with a signal, trained
         return True
 
     # --- the loop ----------------------------------------------------------------------

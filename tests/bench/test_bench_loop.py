@@ -114,3 +114,20 @@ def test_the_table_shows_each_seed_and_the_swarm_over_the_loop_seed_by_seed() ->
     row = next(line for line in text.splitlines() if "reward >= 0.8 at (s)" in line)
     assert "117(117,97,117)" in row.replace(" ", "")  # the loop: median and each seed
     assert "67(57,-,77)" in row.replace(" ", "")
+
+
+def test_steps_and_groups_to_a_reward_count_what_was_trained_by_then() -> None:
+    """Learning per step and per informative group: the steps that ended by the time the
+    rolling reward first reached 0.8, and the groups with a signal those steps trained (a
+    loop's step may train one group of its round's two)."""
+    groups = [{"t": float(t), "reward": 0.9 if t >= 50 else 0.1, "n": 8, "informative": True}
+              for t in range(1, 100)]
+    fig = figures("loop", 0.0, 0, wall_s=100.0, groups=groups,
+                  step_times=[30.0, 10.0, 20.0, 60.0, 90.0], train=[], gen_batches=[],
+                  staleness=[], cpu_s={}, step_groups=[2, 1, 1, 2, 2])
+    assert fig.reach_s["0.8"] == 67.0  # 18 of the last 20 groups at 0.9
+    assert fig.steps_to["0.8"] == 4  # steps at 10, 20, 30 and 60 s
+    assert fig.groups_to["0.8"] == 1 + 1 + 2 + 2  # in time order, not the order given
+    never = figures("swarm", 0.0, 0, wall_s=100.0, groups=groups[:40], step_times=[10.0],
+                    train=[], gen_batches=[], staleness=[], cpu_s={}, step_groups=[2])
+    assert never.steps_to["0.8"] is None and never.groups_to["0.8"] is None
