@@ -277,8 +277,20 @@ def restore(
     for name in target.steps():
         if name.endswith(PARTIAL) or not target.fs.exists(target.join(name, MANIFEST)):
             target.remove(name)
+    return restore_at_most(root, model, optimizer, at_most=None)
+
+
+def restore_at_most(
+    root: str | os.PathLike[str], model: Any, optimizer: torch.optim.Optimizer,
+    at_most: int | None,
+) -> Restored | None:
+    """`restore`, of the newest checkpoint of version <= `at_most` (`jetctl replay`: the
+    state before a step), removing nothing (a live server may be writing a newer one)."""
+    target = _Root(root)
     refused: list[CheckpointRefused] = []
     for name in _candidates(root):
+        if at_most is not None and _version_of(name) > at_most:
+            continue
         try:
             loaded = _load(target, name, _key(root))
         except CheckpointRefused as e:
@@ -294,6 +306,10 @@ def restore(
         log.error("no checkpoint under %s passes its checks: starting from the base model",
                   target.path)
     return None
+
+
+def _version_of(name: str) -> int:
+    return int(name.removeprefix("step-"))
 
 
 def _prune(target: _Root, keep: int) -> None:

@@ -95,10 +95,7 @@ class Trainer:
         self.publish = publish
         self.device = next(model.parameters()).device
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
-        )
+        self.optimizer = make_optimizer(params, cfg)
         self.params = params
         self.algorithm = algorithms.make(cfg.train)
         self.version = 0
@@ -358,7 +355,7 @@ class Trainer:
             scalars.update(self.extra_scalars())
         if self.trackers is not None:
             scalars["trackers/failures"] = float(self.trackers.failures)
-        self._log(scalars)
+        self._log(scalars, ids)
         if self.trackers is not None:
             self.trackers.log(scalars, [s.group for s in batch], self.algorithm.advantages)
         if self.on_step:
@@ -404,10 +401,24 @@ class Trainer:
         self.store.forget_payloads(through_step=self.version)
         return path
 
-    def _log(self, scalars: dict[str, float]) -> None:
+    def _log(self, scalars: dict[str, float], group_ids: list[str]) -> None:
+        # what `jetctl replay` needs (jetctl/replay.py): the batch's groups in training order,
+        # the torch threads (CPU sums depend on them) and, with LoRA, a digest of the adapter
+        # after the step (a few MB at most; full fine-tuning's weights are too big to hash
+        # every step). In the log only: the trackers and on_step get the scalars.
+        row: dict[str, object] = {**scalars, "replay/group_ids": group_ids,
+                                  "replay/threads": torch.get_num_threads()}
+        if W.is_lora(self.model):
+            row["replay/weights_sha256"] = W.digest(self.model)
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
         with self.steps_log.open("a") as f:
-            f.write(json.dumps(scalars) + "\n")
+            f.write(json.dumps(row) + "\n")
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: ModelConfig) -> torch.optim.Optimizer:
+    """The trainer's optimizer over `params` (also what `jetctl replay` rebuilds)."""
+    opt = cfg.optimizer
+    return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
 
 
 def _no_signal(s: StoredGroup) -> bool:

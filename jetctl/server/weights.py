@@ -133,6 +133,15 @@ def view(model: Any, version: int) -> WeightsView:
                        digest.hexdigest(), config)
 
 
+def digest(model: Any) -> str:
+    """sha256 of the trainable weights laid out as safetensors without metadata, hashed in
+    place: the step log's `replay/weights_sha256` (jetctl/replay.py compares it)."""
+    h = hashlib.sha256()
+    for part in segments(trainable_state(model), metadata={}):
+        h.update(part)
+    return h.hexdigest()
+
+
 def snapshot(model: Any, version: int) -> WeightsPayload:
     """The trainable weights as one safetensors payload (a copy: checkpoints, replicas)."""
     v = view(model, version)
