@@ -30,7 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from jetctl.client.proxy import GenerateParams, GenerateResult, Proxy, Sampling, ServedModel
+from jetctl.client.backend import GenerateParams, GenerateResult
+from jetctl.client.proxy import Proxy, Sampling, ServedModel
 from jetctl.client.rollout import load_object
 from jetctl.client.timeline import ChatRenderer
 from jetctl.env import LLM

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from jetctl.client.proxy import BackendError, GenerateParams, GenerateResult
+from jetctl.client.backend import BackendError, GenerateParams, GenerateResult
 from jetctl.client.transport import SwarmTransport, Weights, WeightsError
 
 if TYPE_CHECKING:

@@ -27,12 +27,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from jetctl.client.backend import Backend, BackendError, GenerateParams, GenerateResult
 from jetctl.client.timeline import (
     ChatRenderer,
     Message,
@@ -48,41 +49,6 @@ from jetctl.recipe import DEFAULT_ROLE
 from jetctl.types import LLMCall
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """What a backend produced for one prompt."""
-
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    model_version: int
-    finish_reason: str  # stop | length
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    stop_token_ids: list[int]
-    request_id: str
-    seed: int = 0
-
-
-class Backend(Protocol):
-    """Token ids in, token ids + logprobs + model version out."""
-
-    async def generate(self, params: GenerateParams) -> GenerateResult: ...
-
-
-class BackendError(Exception):
-    """The model could not answer (server unreachable, refused, ...): HTTP 503 to the agent."""
-
-    def __init__(self, message: str, status: int = 503) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from tenacity import (
 )
 
 from jetctl.auth import bearer
+from jetctl.client.backend import BackendError, GenerateParams, GenerateResult
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
 from jetctl.proto.convert import ChunkView, read_weights_chunk
@@ -52,7 +53,6 @@ from jetctl.tls import TlsFiles
 
 if TYPE_CHECKING:
     from jetctl.client.concurrency import Governor
-    from jetctl.client.proxy import GenerateParams, GenerateResult
 
 log = logging.getLogger(__name__)
 
@@ -485,8 +485,6 @@ class ServerBackend:
         self.governor = governor  # concurrency: auto reads each reply's Load
 
     async def generate(self, params: GenerateParams) -> GenerateResult:
-        from jetctl.client.proxy import BackendError, GenerateResult
-
         request = pb.GenerateRequest(
             model=self.transport.model,
             prompt_ids=params.prompt_ids,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from jetctl.client.backend import GenerateParams
 from jetctl.client.local_engine import LocalEngine
-from jetctl.client.proxy import GenerateParams
 from jetctl.client.transport import SwarmTransport
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server, weight_chunks
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from jetctl.client.proxy import GenerateParams, GenerateResult, Proxy, ProxyError, ServedModel
+from jetctl.client.backend import GenerateParams, GenerateResult
+from jetctl.client.proxy import Proxy, ProxyError, ServedModel
 from jetctl.client.timeline import ChatRenderer
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from jetctl.client.proxy import GenerateParams, GenerateResult, Proxy, Sampling, ServedModel
+from jetctl.client.backend import GenerateParams, GenerateResult
+from jetctl.client.proxy import Proxy, Sampling, ServedModel
 from jetctl.client.timeline import ChatRenderer, Timeline
 from jetctl.env import LLM
 
