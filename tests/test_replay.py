@@ -82,3 +82,66 @@ def test_a_bundle_replays_without_the_run(tmp_path: Path) -> None:
     c = replay_bundle(moved)
     assert c.identical, c.differences
     assert c.recorded.step == 3
+
+
+RECIPE = """\
+run:
+  name: replayed
+models:
+  policy:
+    model: builtin:tiny
+    finetune: lora
+    optimizer:
+      lr: 1.0e-2
+    train:
+      groups_per_step: 1
+      max_staleness: 1
+tasks:
+  digits:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+    clients: 1
+    group_size: 3
+"""
+
+
+def test_the_cli_replays_a_run_dir_and_a_bundle(tmp_path: Path) -> None:
+    """`jetctl replay` / `jetctl bundle` on a run dir laid out as `jetctl up` lays it out."""
+    import json
+    import threading
+
+    from typer.testing import CliRunner
+
+    from jetctl.cli.main import build_app
+    from jetctl.recipe import load_recipe
+    from jetctl.rundir import RunPaths
+    from jetctl.server.store import GroupCodec, TrajectoryStore
+
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    cfg = load_recipe(tmp_path / "recipe.yaml").models["policy"]
+    paths = RunPaths(tmp_path / "run")
+    paths.make()
+    (paths.run_json).write_text(json.dumps({"recipe": str(tmp_path / "recipe.yaml")}))
+    paths.server_dir("policy").mkdir()
+    store = TrajectoryStore(paths.store("policy"), decode=GroupCodec())
+    model, _ = load_trainable(cfg)
+    trainer = Trainer(model, cfg, store, weights_lock=threading.Lock(),
+                      checkpoint_dir=str(paths.checkpoints("policy")),
+                      steps_log=paths.steps_log("policy"))
+    store.open(trained_through_step=trainer.resume())
+    for i in range(2):
+        submit(trainer, rewards=(0.0, 1.0 + i, 0.5))
+        assert step(trainer) is not None
+
+    cli = CliRunner()
+    done = cli.invoke(build_app(), ["replay", str(paths.root), "--step", "2"])
+    assert done.exit_code == 0, done.output
+    assert done.output.startswith("identical: step 2")
+    tar = tmp_path / "step-2.tar"
+    done = cli.invoke(build_app(), ["bundle", str(paths.root), "--step", "2", "--out", str(tar)])
+    assert done.exit_code == 0, done.output
+    done = cli.invoke(build_app(), ["replay", str(tar)])
+    assert done.exit_code == 0 and done.output.startswith("identical: step 2"), done.output
+    done = cli.invoke(build_app(), ["replay", str(paths.root), "--step", "7"])
+    assert done.exit_code == 1 and "no recorded step 7" in done.output, done.output
