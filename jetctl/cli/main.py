@@ -16,7 +16,7 @@ from jetctl import __version__
 # modules under jetctl.cli that define `register(app: typer.Typer) -> None`
 COMMAND_MODULES = (
     "up", "status", "validate", "server", "client", "models", "bench", "swap", "images",
-    "chaos", "eval", "export", "logs", "view", "replay",
+    "chaos", "eval", "export", "logs", "research", "view", "replay",
 )
 
 
