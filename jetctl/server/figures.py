@@ -8,6 +8,7 @@ The trainer's thread writes; Status reads from gRPC threads, so readers copy the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,3 +88,25 @@ class TrainerFigures:
         if "collapsed" in verdicts:
             return share, "collapsed"
         return share, "solved" if verdicts == {"solved"} else "ok"
+
+
+class RecentRate:
+    """A count over the last `window_s` seconds, kept in one-second buckets: its memory is
+    bounded (window_s + 1 buckets) whether or not anyone reads it, and `add` is O(1) (the
+    Submit path calls it once per accepted group)."""
+
+    def __init__(self, window_s: int = 60) -> None:
+        self.window_s = window_s
+        self._buckets: deque[list[int]] = deque(maxlen=window_s + 1)  # [second, count]
+
+    def add(self, n: int, now: float | None = None) -> None:
+        second = int(time.monotonic() if now is None else now)
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += n
+        else:
+            self._buckets.append([second, n])
+
+    def total(self, now: float | None = None) -> int:
+        """What was added in the last `window_s` seconds (to the second)."""
+        second = int(time.monotonic() if now is None else now)
+        return sum(n for s, n in list(self._buckets) if second - s < self.window_s)

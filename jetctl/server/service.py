@@ -23,6 +23,7 @@ from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_payloads, packed_groups
 from jetctl.server.admission import Limits, check_generate, check_groups
 from jetctl.server.engines.base import Engine, GenRequest
+from jetctl.server.figures import RecentRate
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.store import Put, TrajectoryStore
 from jetctl.server.trainer import Trainer
@@ -79,7 +80,7 @@ class SwarmService:
         self.started = time.time()
         self.refused_calls: dict[str, int] = {}
         self.tokens_generated = 0
-        self._accepted_times: list[tuple[float, int]] = []
+        self._accepted = RecentRate(window_s=60)  # trajectories accepted, per second
         self._task_labels: set[str] = set()
 
     # --- plumbing --------------------------------------------------------------------
@@ -249,7 +250,7 @@ class SwarmService:
         results = await asyncio.wrap_future(self.store.put_many(puts)) if puts else []
         for (index, group_id, n_traj), res in zip(pending, results):
             if res.outcome == "accepted":
-                self._accepted_times.append((time.monotonic(), n_traj))
+                self._accepted.add(n_traj)
             elif res.outcome == "busy":
                 self.metrics.deferred.inc(n_traj)
             elif res.outcome != "duplicate":
@@ -282,12 +283,11 @@ class SwarmService:
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         await self._parse(raw, pb.StatusRequest, context)
-        counts = await asyncio.to_thread(self.store.counts)
-        by_task = await asyncio.to_thread(self.store.received_by_task)
-        reward_by_task = await asyncio.to_thread(self.store.reward_by_task)
+        # running counters (store.py): no scan, no wait for the store's writer
+        counts = self.store.counts()
+        by_task = self.store.received_by_task()
+        reward_by_task = self.store.reward_by_task()
         f = self.trainer.figures
-        now = time.monotonic()
-        self._accepted_times = [(t, n) for t, n in self._accepted_times if now - t < 60]
         window = min(60.0, max(time.time() - self.started, 1e-3))
         recent = f.recent_rewards[-64:]
         no_signal, signal = f.signal()
@@ -305,7 +305,7 @@ class SwarmService:
             trained_trajectories=counts.trajectories.get("trained", 0),
             trained_groups=counts.groups.get("trained", 0),
             reward_mean_recent=sum(recent) / len(recent) if recent else 0.0,
-            trajectories_per_second=sum(n for _, n in self._accepted_times) / window,
+            trajectories_per_second=self._accepted.total() / window,
             tokens_generated=self.tokens_generated,
             last_checkpoint_version=f.last_checkpoint_version,
             uptime_s=time.time() - self.started,

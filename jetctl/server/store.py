@@ -25,6 +25,12 @@ resumed from) and `train_log` (group, step, epoch for every `mark_trained`). Ste
 epoch past the version the next epoch resumed from were lost with the crash; what survives
 must train each group at most once.
 
+The figures Status reads (`counts`, `received_by_task`, `reward_by_task`) are running
+counters (`_Tally`), read from the table once at start and kept as groups are committed,
+trained and rejected: a Status costs the same on a run's first day as on its tenth, and
+never waits for the writer's lock (a scan of the whole table under it, once a second, made
+Submit latency grow with the run's age).
+
 Left out: a remote (fsspec) store.
 """
 
@@ -50,6 +56,7 @@ Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision", "busy
 Refusal = Literal["stale", "invalid", "revision"]
 REFUSALS: tuple[Refusal, ...] = ("stale", "invalid", "revision")
 MAX_BATCH = 512  # puts committed in one transaction at most
+REWARD_WINDOW = 32  # groups: reward_by_task is the mean of each task's last ones
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -178,6 +185,103 @@ class _PutRequest:
     future: Future[list[PutResult]]
 
 
+class _Tally:
+    """Running counts of the store's rows, kept as they change (see the module docstring).
+
+    Updated after each commit that changes them, under a lock of its own that is held for a
+    few dict updates: readers never wait for a transaction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_state: dict[tuple[str, str], list[int]] = {}  # (state, refusal) -> [groups, trajs]
+        self._received: dict[str, int] = {}  # task -> trajectories
+        # task -> its last REWARD_WINDOW groups not rejected: (group id, reward sum, trajectories)
+        self._recent: dict[str, deque[tuple[str, float, int]]] = {}
+
+    def load(self, db: sqlite3.Connection) -> None:
+        """Read the counts from the table (at start: the only full scans)."""
+        by_state = {
+            (state, refusal): [int(g), int(t or 0)]
+            for state, refusal, g, t in db.execute(
+                "SELECT state, refusal, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, refusal"
+            )
+        }
+        received = {
+            task: int(n or 0)
+            for task, n in db.execute("SELECT task, SUM(n_traj) FROM groups GROUP BY task")
+        }
+        recent: dict[str, deque[tuple[str, float, int]]] = {}
+        for gid, task, reward_sum, n in db.execute(
+            "SELECT id, task, reward_sum, n_traj FROM ("
+            "  SELECT id, task, reward_sum, n_traj, received_at, rowid AS r, ROW_NUMBER() OVER "
+            "    (PARTITION BY task ORDER BY received_at DESC, rowid DESC) AS rn"
+            "  FROM groups WHERE state != 'rejected'"
+            ") WHERE rn <= ? ORDER BY received_at, r",
+            (REWARD_WINDOW,),
+        ):
+            recent.setdefault(task, deque(maxlen=REWARD_WINDOW)).append((gid, reward_sum, n))
+        with self._lock:
+            self._by_state, self._received, self._recent = by_state, received, recent
+
+    def added(self, rows: list[tuple[str, str, str, str, int, float]]) -> None:
+        """New rows: (id, task, state, refusal, trajectories, reward sum) each."""
+        with self._lock:
+            for gid, task, state, refusal, n, reward_sum in rows:
+                counts = self._by_state.setdefault((state, refusal), [0, 0])
+                counts[0] += 1
+                counts[1] += n
+                self._received[task] = self._received.get(task, 0) + n
+                if state != "rejected":
+                    self._recent.setdefault(task, deque(maxlen=REWARD_WINDOW)).append(
+                        (gid, reward_sum, n)
+                    )
+
+    def moved(
+        self, rows: list[tuple[str, str, str, str, int]], state: str, refusal: str = ""
+    ) -> None:
+        """Rows (id, task, old state, old refusal, trajectories) now in `state` (`refusal`)."""
+        with self._lock:
+            for gid, task, old, old_refusal, n in rows:
+                before = self._by_state[(old, old_refusal)]
+                before[0] -= 1
+                before[1] -= n
+                after = self._by_state.setdefault((state, refusal), [0, 0])
+                after[0] += 1
+                after[1] += n
+                if state == "rejected" and task in self._recent:
+                    kept = [r for r in self._recent[task] if r[0] != gid]
+                    self._recent[task] = deque(kept, maxlen=REWARD_WINDOW)
+
+    def counts(self) -> StoreCounts:
+        out = StoreCounts({}, {}, {}, {})
+        with self._lock:
+            for (state, refusal), (n_groups, n_traj) in self._by_state.items():
+                if n_groups == 0:
+                    continue
+                groups, trajs = (
+                    (out.rejected_groups, out.rejected_trajectories)
+                    if state == "rejected" else (out.groups, out.trajectories)
+                )
+                key = refusal if state == "rejected" else state
+                groups[key] = groups.get(key, 0) + n_groups
+                trajs[key] = trajs.get(key, 0) + n_traj
+        return out
+
+    def received_by_task(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._received)
+
+    def reward_by_task(self, last_groups: int) -> dict[str, float]:
+        out = {}
+        with self._lock:
+            for task, recent in self._recent.items():
+                last = list(recent)[-last_groups:]
+                n = sum(r[2] for r in last)
+                if n:
+                    out[task] = sum(r[1] for r in last) / n
+        return out
+
+
 class TrajectoryStore:
     """Durable store + in-memory buffer of accepted, untrained groups."""
 
@@ -195,6 +299,8 @@ class TrajectoryStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
         self._migrate()
+        self._tally = _Tally()
+        self._tally.load(self._db)
         self.epoch = 0
         self._db_lock = threading.Lock()
         self._buffer: deque[StoredGroup] = deque()
@@ -243,6 +349,7 @@ class TrajectoryStore:
                 (self.epoch, trained_through_step, time.time()),
             )
             self._db.execute("COMMIT")
+            self._tally.load(self._db)  # groups went back to the buffer
             rows = self._db.execute(
                 "SELECT id, task, n_traj, min_version, trajectory_ids, revisions, reward_sum, "
                 "payload, received_at FROM groups WHERE state='buffered' ORDER BY received_at"
@@ -385,6 +492,9 @@ class TrajectoryStore:
                     rows,
                 )
                 self._db.execute("COMMIT")
+            self._tally.added([
+                (row[0], row[1], row[4], row[6], row[2], row[11]) for row in rows
+            ])
         except sqlite3.Error as exc:
             with self._db_lock:
                 if self._db.in_transaction:
@@ -466,6 +576,7 @@ class TrajectoryStore:
     def mark_trained(self, group_ids: list[str], step: int) -> None:
         with self._db_lock:
             self._db.execute("BEGIN IMMEDIATE")
+            moving = self._rows_of(group_ids)
             self._db.executemany(
                 "UPDATE groups SET state='trained', step=? WHERE id=?",
                 [(step, gid) for gid in group_ids],
@@ -475,6 +586,21 @@ class TrajectoryStore:
                 [(gid, step, self.epoch) for gid in group_ids],
             )
             self._db.execute("COMMIT")
+            self._tally.moved(moving, "trained")
+
+    def _rows_of(self, group_ids: list[str]) -> list[tuple[str, str, str, str, int]]:
+        """(id, task, state, refusal, trajectories) of the stored ones of `group_ids`, read by
+        primary key (the cost of the batch, not of the table)."""
+        rows: list[tuple[str, str, str, str, int]] = []
+        unique = list(dict.fromkeys(group_ids))
+        for start in range(0, len(unique), MAX_BATCH):
+            ids = unique[start : start + MAX_BATCH]
+            rows += self._db.execute(
+                f"SELECT id, task, state, refusal, n_traj FROM groups WHERE id IN "
+                f"({','.join('?' * len(ids))})",
+                ids,
+            ).fetchall()
+        return rows
 
     def forget_payloads(self, through_step: int) -> None:
         """Drop payloads of groups trained at or before a completed checkpoint's step.
@@ -497,11 +623,13 @@ class TrajectoryStore:
             raise ValueError(f"refusal {refusal!r} is not one of {', '.join(REFUSALS)}")
         with self._db_lock:
             self._db.execute("BEGIN IMMEDIATE")
+            moving = self._rows_of(group_ids)
             self._db.executemany(
                 "UPDATE groups SET state='rejected', refusal=?, reason=?, payload=NULL WHERE id=?",
                 [(refusal, reason, gid) for gid in group_ids],
             )
             self._db.execute("COMMIT")
+            self._tally.moved(moving, "rejected", refusal)
 
     # --- figures ---------------------------------------------------------------------
 
@@ -511,40 +639,18 @@ class TrajectoryStore:
 
     def counts(self) -> StoreCounts:
         """Trajectory and group counts by state, and of the rejected ones by refusal."""
-        with self._db_lock:
-            rows = self._db.execute(
-                "SELECT state, refusal, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, refusal"
-            ).fetchall()
-        out = StoreCounts({}, {}, {}, {})
-        for state, refusal, n_groups, n_traj in rows:
-            groups, trajs = (
-                (out.rejected_groups, out.rejected_trajectories)
-                if state == "rejected" else (out.groups, out.trajectories)
-            )
-            key = refusal if state == "rejected" else state
-            groups[key] = groups.get(key, 0) + int(n_groups)
-            trajs[key] = trajs.get(key, 0) + int(n_traj or 0)
-        return out
+        return self._tally.counts()
 
     def received_by_task(self) -> dict[str, int]:
-        with self._db_lock:
-            rows = self._db.execute(
-                "SELECT task, SUM(n_traj) FROM groups GROUP BY task"
-            ).fetchall()
-        return {task: int(n or 0) for task, n in rows}
+        """Trajectories received of each task (any outcome)."""
+        return self._tally.received_by_task()
 
-    def reward_by_task(self, last_groups: int = 32) -> dict[str, float]:
-        """Mean trajectory reward of each task's last `last_groups` accepted groups."""
-        with self._db_lock:
-            rows = self._db.execute(
-                "SELECT task, SUM(reward_sum) / SUM(n_traj) FROM ("
-                "  SELECT task, reward_sum, n_traj, ROW_NUMBER() OVER "
-                "    (PARTITION BY task ORDER BY received_at DESC, rowid DESC) AS rn"
-                "  FROM groups WHERE state != 'rejected'"
-                ") WHERE rn <= ? GROUP BY task",
-                (last_groups,),
-            ).fetchall()
-        return {task: float(mean) for task, mean in rows if mean is not None}
+    def reward_by_task(self, last_groups: int = REWARD_WINDOW) -> dict[str, float]:
+        """Mean trajectory reward of each task's last `last_groups` accepted groups (those
+        rejected after all at batch time left out)."""
+        if not 1 <= last_groups <= REWARD_WINDOW:
+            raise ValueError(f"last_groups ({last_groups}) must be in 1..{REWARD_WINDOW}")
+        return self._tally.reward_by_task(last_groups)
 
 
 class GroupCodec:
