@@ -11,7 +11,7 @@
       who = principal(f"Bearer {cred}", run_token)   # Principal(node="arith-0", ...)
 
   It allows the client calls only (`allowed`): Register, Generate, Submit and PullWeights of
-  a server whose model is among its models, and the node's own Join and Sync with the
+  a server whose model is among its models, and the node's own Join, Sync and Rows with the
   controller. Swap, down, scale, run status, a server's Status, and another node's Sync are
   refused (PERMISSION_DENIED), and counted by whoever refuses them. The controller revokes a
   node's credential once the node was drained out of the run (a swap's old nodes): it
@@ -44,7 +44,7 @@ SWARM_CLIENT_METHODS = frozenset(
     f"/jetctl.swarm.v1.Swarm/{m}"
     for m in ("Register", "Generate", "Submit", "SubmitStream", "PullWeights")
 )
-CONTROL_NODE_METHODS = frozenset(f"/jetctl.control.v1.Control/{m}" for m in ("Join", "Sync"))
+CONTROL_NODE_METHODS = frozenset(f"/jetctl.control.v1.Control/{m}" for m in ("Join", "Sync", "Rows"))
 
 
 def bearer(token: str) -> tuple[tuple[str, str]]:

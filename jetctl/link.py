@@ -187,6 +187,13 @@ class ControlLink:
                 continue
             return reply
 
+    async def rows(self, request: cpb.RowsRequest) -> cpb.RowsReply:
+        """One `Control.Rows` call (jetctl.client.rows); a failure raises grpc.aio.AioRpcError."""
+        reply: cpb.RowsReply = await self._stub.Rows(
+            request, metadata=bearer(self._token), timeout=self._timeout
+        )
+        return reply
+
     def endpoint(self, model: str) -> str:
         """The endpoint of `model`'s server the controller gave last ('' when none yet)."""
         return self.servers.get(model, "")

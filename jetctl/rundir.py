@@ -107,6 +107,12 @@ class RunPaths:
         return self.root / "received.sqlite"
 
     @property
+    def rows(self) -> Path:
+        """Each dataset task's epoch, position and leases across its nodes
+        (jetctl.controller.rows); kept across `up --resume`."""
+        return self.root / "rows.json"
+
+    @property
     def faults(self) -> Path:
         """The faults in force during a chaos run (jetctl.faults)."""
         return self.root / "faults"

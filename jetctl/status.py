@@ -75,6 +75,7 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     """The document of a run whose controller has exited, from the files it left: per model
     the steps trained, the final reward and the last checkpoint; the ledger; the curve.
     `jetctl status` shows it for a finished run and `jetctl up` ends with it."""
+    from jetctl.costs import read_costs
     from jetctl.ledger import build_ledger
     from jetctl.plot import read_run_rewards
 
@@ -112,6 +113,9 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
             "checkpoint_dir": where,
             "last_checkpoint": checkpoint,
         }
+        costs = read_costs(paths.steps_log(model))  # jetctl.costs: None without cost figures
+        if costs is not None:
+            models[model]["costs"] = costs.to_json()
     started, finished = info.get("started_at"), info.get("finished_at")
     return {
         "run": info.get("run", run_dir.name),
@@ -184,6 +188,10 @@ def render_summary(summary: dict[str, Any]) -> RenderableType:
         t.add_row(model, str(m["steps"]), _fmt(m["final_reward"], 3),
                   m["last_checkpoint"] or f"none in {m['checkpoint_dir']}")
     parts: list[RenderableType] = [head, Text(""), t, Text(""), ledger_line(summary["ledger"])]
+    from jetctl.costs import cost_line
+
+    parts += [Text(cost_line(model, m["costs"])) for model, m in summary["models"].items()
+              if m.get("costs")]
     curve = summary.get("reward_curve")
     parts.append(Text(f"reward curve: {curve} (and {summary['reward_curve_csv']})" if curve
                       else "reward curve: none (no batch was trained)"))
@@ -303,7 +311,10 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
         "servers": [server_entry(n) for n in reply.nodes if n.kind == "server"],
         "clients": [client_entry(n) for n in reply.nodes if n.kind == "client"],
     }
-    doc["tasks"] = task_summary(doc)
+    tasks = task_summary(doc)
+    for task, progress in reply.rows_json.items():  # dataset tasks (jetctl.controller.rows)
+        tasks.setdefault(task, {})["rows"] = json.loads(progress)
+    doc["tasks"] = tasks
     return doc
 
 
@@ -375,6 +386,14 @@ def batch_share(entry: dict[str, Any]) -> str:
 def task_reward(entry: dict[str, Any]) -> str:
     """A task's recent reward: one number, or a team's per role (`role reward`)."""
     return _per_role(entry, entry.get("reward_by_model") or {}, "{:.3f}")
+
+
+def dataset_rows(entry: dict[str, Any]) -> str:
+    """A dataset task's `epoch N: position/rows` (`-` for other tasks)."""
+    rows = entry.get("rows")
+    if not rows:
+        return "-"
+    return f"epoch {rows['epoch']}: {rows['position']}/{rows['rows']}"
 
 
 def task_staleness(entry: dict[str, Any]) -> str:
@@ -494,7 +513,8 @@ def ledger_line(ledger: dict[str, Any]) -> Text:
 
 MODELS_CAPTION = "version = optimizer steps; accepted, trained, buffered, rejected: trajectories"
 TASKS_CAPTION = ("rollouts, failed and received: trajectories; staleness: versions behind, "
-                 "mean of the last 32 trained groups")
+                 "mean of the last 32 trained groups; rows: a dataset task's epoch and its "
+                 "position in it")
 
 
 def _server_state(s: dict[str, Any]) -> Text:
@@ -539,7 +559,7 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
     t = Table(title="tasks", title_justify="left", caption=TASKS_CAPTION, caption_justify="left",
               box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
     for col in ("task", "model", "rev", "clients up", "rollouts", "failed", "received",
-                "reward", "staleness", "batch share", "restarts"):
+                "reward", "staleness", "batch share", "rows", "restarts"):
         t.add_column(col, justify="left" if col in ("task", "model", "rev") else "right",
                      no_wrap=col != "model")
     summary = doc.get("tasks") or task_summary(doc)
@@ -556,7 +576,7 @@ def tasks_table(doc: dict[str, Any], recipe: Recipe | None = None) -> Table:
             task, trains_on(e), ",".join(e.get("revisions") or []) or "-",
             f"{sum(1 for c in nodes if c['process_state'] == 'running')}/{wanted}",
             _fmt(e.get("rollouts_done", 0)), str(failed), _fmt(e.get("received", 0)),
-            task_reward(e), task_staleness(e), batch_share(e),
+            task_reward(e), task_staleness(e), batch_share(e), dataset_rows(e),
             str(sum(c["restarts"] for c in nodes)),
         )
     return t

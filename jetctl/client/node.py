@@ -354,7 +354,7 @@ class ClientNode:
             ),
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
             draining=self._draining, on_spooled=self._wake_senders,
-            local_engine=self._local_engine, governor=governor,
+            local_engine=self._local_engine, governor=governor, link=self.link,
         )
         self.metrics.concurrency.set(self.producer.slots.limit)
 

@@ -4,7 +4,9 @@
                         draining=node_draining_event, on_spooled=delivery.wake)
     await producer.run()    # until drained, max_groups reached or the task stream ends
 
-Tasks come from `make_env(**env_args).tasks(random.Random(seed + index))`; for each one
+Tasks come from `make_env(**env_args).tasks(random.Random(seed + index))`, or, for a dataset
+env on a node with a controller, from rows leased from the run (jetctl.client.rows: each row
+once per epoch across the task's nodes, acked as its group ends); for each one
 `group_size` rollouts run concurrently (at most `concurrency` at once on the node, a number or
 sized by the server's load with `auto`, see concurrency.py; each in a
 killable process, see rollout.py) and the ok ones become a `TrajectoryGroup`. Trajectory ids
@@ -31,11 +33,12 @@ and the groups of one batch of rollouts are spooled in one transaction.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +46,10 @@ from jetctl.client.concurrency import Governor, Slots
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.proxy import Proxy
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
+from jetctl.client.rows import Picked, TaskSource, task_source
 from jetctl.client.spool import Spool, SpooledGroup
 from jetctl.env import Task
+from jetctl.link import ControlLink
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import TaskConfig
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup, uuid7
@@ -107,6 +112,7 @@ class Producer:
         on_spooled: Callable[[], None],
         local_engine: Any = None,  # inference: local; refreshed between groups
         governor: Governor | None = None,  # concurrency: auto
+        link: ControlLink | None = None,  # a dataset env's rows are leased from the run
     ) -> None:
         self.config = config
         self.proxy = proxy
@@ -122,12 +128,19 @@ class Producer:
         self.slots = Slots(governor.limit if governor is not None else int(config.task.concurrency))
         self._roles = config.task.role_models  # role -> model
         self._team = bool(config.task.roles)
+        self._link = link
 
-    def _tasks(self) -> Iterator[Task]:
-        task = self.config.task
-        make_env = load_object(task.env)
-        env = make_env(**task.env_args)
-        return iter(env.tasks(random.Random(task.seed + self.config.index)))
+    def _tasks(self) -> TaskSource:
+        """The env's tasks: rows leased from the controller for a dataset env on a node
+        with one (jetctl.client.rows), else the env's own `tasks(rng)`."""
+        cfg = self.config
+        make_env = load_object(cfg.task.env)
+        env = make_env(**cfg.task.env_args)
+        return task_source(
+            env, self._link, node=cfg.node, task=cfg.task_name,
+            rng=random.Random(cfg.task.seed + cfg.index),
+            block=math.ceil(self.slots.limit / cfg.task.group_size) + 1,
+        )
 
     async def run(self) -> None:
         cfg = self.config
@@ -152,17 +165,20 @@ class Producer:
                 continue
             if self._local_engine is not None:
                 self._local_engine.refresh()
-            task = next(tasks, None)
-            if task is None:
+            picked = await tasks.next()
+            if picked is None:
                 log.info("the env's task stream ended after %d groups", started)
                 break
-            group = self._start_group(task)
-            inflight[asyncio.create_task(self._run_group(group))] = group
+            group = self._start_group(picked.task)
+            job = asyncio.create_task(self._run_group(group))
+            job.add_done_callback(functools.partial(_row_done, tasks, picked))
+            inflight[job] = group
             started += 1
         if inflight:
             await asyncio.wait(inflight)
             for finished, group in inflight.items():
                 self._settle(finished, group)
+        await tasks.close()
 
     async def _steer(self) -> None:
         """concurrency: auto: the governor's new limit, when it has one."""
@@ -365,6 +381,13 @@ class Producer:
         self.spool.drop(trajectory_id, reason, error, model=model)  # type: ignore[arg-type]
         self.stats.drop(reason)
         self.metrics.dropped.labels(reason=reason).inc()
+
+
+def _row_done(tasks: TaskSource, picked: Picked, job: asyncio.Task[None]) -> None:
+    """A group ended (spooled or dropped): its row was seen, and is acked now rather than when
+    the loop settles the group, so that a node killed meanwhile is not leased it again. A
+    group cancelled before it ended gives its row back."""
+    tasks.done(picked, seen=not job.cancelled())
 
 
 async def sleep_or(event: asyncio.Event, seconds: float) -> None:

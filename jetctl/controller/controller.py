@@ -31,6 +31,7 @@ Run it with `jetctl up RECIPE` (or `Controller(recipe, path).run()`). Left out: 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -52,6 +53,7 @@ from jetctl.controller.reconcile import (
     JetctlCommands,
     Reconciler,
 )
+from jetctl.controller.rows import Lease, RowLeases, RowsCall
 from jetctl.controller.runtimes.base import NodeHandle, NodeKind, Runtime
 from jetctl.controller.runtimes.process import ProcessRuntime
 from jetctl.controller.service import serve_control
@@ -125,6 +127,7 @@ class Controller:
         )
         self.swapper = Swapper(self.state, self.reconciler, self._stop, self.opts.grace_s)
         self.received: Received | None = None  # opened by setup
+        self.rows = RowLeases(self.paths.rows)  # dataset tasks' positions (rows.py)
         self._hub: Hub | None = None
 
     @property
@@ -290,8 +293,22 @@ class Controller:
     # -- what the Control service asks --------------------------------------------------
 
     def status(self) -> cpb.RunStatusReply:
-        """The `Control.Status` reply: every node with its state and its own figures."""
-        return self.state.status()
+        """The `Control.Status` reply: every node with its state and its own figures, and
+        each dataset task's position."""
+        reply = self.state.status()
+        for task, progress in self.rows.progress().items():
+            reply.rows_json[task] = json.dumps(progress, sort_keys=True)
+        return reply
+
+    def lease_rows(self, call: RowsCall) -> Lease:
+        """`Control.Rows`: what a node that is gone held returns to the pool (rows.py)."""
+        def gone(node: str) -> bool:
+            with self.state.lock:
+                n = self.state.nodes.get(node)
+                return n is None or self.state.node_state(n, time.time()) in (
+                    "exited", "unreachable")
+
+        return self.rows.lease(call, gone)
 
     def run_json(self) -> dict[str, Any]:
         return self.state.run_json()

@@ -121,6 +121,27 @@ class ControlServicer(cgrpc.ControlServicer):
         self._own_name_only(context, request.name)
         return self._c.hub.sync(request)
 
+    def Rows(self, request: cpb.RowsRequest, context: grpc.ServicerContext) -> cpb.RowsReply:
+        """A dataset task's rows: a node leases, acks and releases positions (rows.py)."""
+        from jetctl.controller.rows import RowsCall, RowsRefused
+
+        self._own_name_only(context, request.name)
+        call = RowsCall(
+            name=request.name, task=request.task, n_rows=request.n_rows,
+            epochs=request.epochs or None, want=request.want,
+            acked=tuple((p.epoch, p.index) for p in request.acked),
+            released=tuple((p.epoch, p.index) for p in request.released), fresh=request.fresh,
+        )
+        try:
+            lease = self._c.lease_rows(call)
+        except RowsRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable: abort raises") from None
+        return cpb.RowsReply(
+            rows=[cpb.RowPosition(epoch=e, index=i) for e, i in lease.positions],
+            exhausted=lease.exhausted,
+        )
+
     def Scale(self, request: cpb.ScaleRequest, context: grpc.ServicerContext) -> cpb.ScaleReply:
         msg = (
             "scale is not implemented by this controller yet: edit tasks.<task>.clients "

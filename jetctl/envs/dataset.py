@@ -26,18 +26,18 @@ Splits: `test_fraction` splits one file with a seeded `train_test_split` (the sa
 every node and in `jetctl eval`), or `test_path` names the held-out file; `split` picks
 which one this env serves (`train` for training, `test` for `jetctl eval`).
 
-Order: epoch `e` visits every row once in the permutation seeded by `(seed, e)`;
-`shard_tasks(index, nodes, start)` gives node `index` of `nodes` the positions
-`p % nodes == index` of each epoch, so nodes are disjoint and together see every row once
-per epoch, and a node restarted at its recorded `Position` neither repeats nor skips one.
-`epochs` stops the stream after that many (None: endless).
+Order: epoch `e` visits every row once in the permutation seeded by `(seed, e)`
+(`epoch_order`); a `Position(epoch, index)` names the `index`-th row of that permutation
+(`task_at`). In a run, the client nodes of a task lease positions from the controller
+(jetctl.client.rows, jetctl.controller.rows): each row is seen once per epoch across all
+of them, a restarted or swapped node neither repeats nor skips one, the epoch and position
+are shown in `jetctl status` and kept across `up --resume`. `epochs` stops the stream after
+that many (None: endless). Without a controller (`tasks(rng)`, e.g. a node run alone),
+whole epochs are walked in an order drawn from the node's rng; `shard_tasks(index, nodes)`
+is a static split by node index, for tools that know both.
 
-Left out (said plainly): the client node still calls `tasks(rng)` (jetctl/client/
-production.py), which knows neither its node index nor the node count; `tasks` therefore
-walks whole epochs in an order drawn from the node's rng (disjoint only by chance), and
-neither the position nor the epoch is shown in `jetctl status` or kept across `up
---resume`. Wiring `shard_tasks` to the node index, and the controller-issued position, is
-the next step (docs/architecture.md, "Dataset tasks").
+Left out: a node killed between spooling a group and its ack reaching the controller is
+re-leased that row (jetctl.controller.rows says why).
 """
 
 from __future__ import annotations
@@ -245,6 +245,15 @@ class DatasetEnv:
 
     # ---------------------------------------------------------------- streams
 
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    def task_at(self, position: Position) -> Task:
+        """The task at `position` of the epochs' permutations (the controller leases these)."""
+        order = epoch_order(len(self.rows), self.seed, position.epoch, self.shuffle)
+        return self.task(order[position.index])
+
     def shard_tasks(
         self, index: int, nodes: int, start: Position = Position(0, 0)
     ) -> Iterator[tuple[Position, Task]]:
@@ -261,7 +270,7 @@ class DatasetEnv:
             epoch, first = epoch + 1, 0
 
     def tasks(self, rng: random.Random) -> Iterator[Task]:
-        """Whole epochs, each in an order drawn from `rng` (the node's; see Left out)."""
+        """Whole epochs, each in an order drawn from `rng` (the node's; without a controller)."""
         epoch = 0
         while self.epochs is None or epoch < self.epochs:
             order = list(range(len(self.rows)))

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x11jetctl.control.v1\"\x12\n\x10RunStatusRequest\"\xbb\x01\n\nNodeStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x14\n\x0c\x63ontainer_id\x18\x07 \x01(\t\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\t \x01(\t\x12\x10\n\x08revision\x18\n \x01(\t\x12\x0c\n\x04json\x18\x0b \x01(\t\"}\n\x0eRunStatusReply\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12,\n\x05nodes\x18\x04 \x03(\x0b\x32\x1d.jetctl.control.v1.NodeStatus\x12\r\n\x05state\x18\x05 \x01(\t\"\x1e\n\x0b\x44ownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"(\n\tDownReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\\\n\x0bSwapRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\r\n\x05\x61gent\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64rop_old\x18\x05 \x01(\x08\":\n\tSwapReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"-\n\x0cScaleRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0f\n\x07\x63lients\x18\x02 \x01(\x05\")\n\nScaleReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"u\n\x0bJoinRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\"\xab\x02\n\tJoinReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03run\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\r\n\x05\x61gent\x18\x05 \x01(\t\x12\x11\n\ttask_json\x18\x06 \x01(\t\x12\x12\n\nmodel_json\x18\x07 \x01(\t\x12\x10\n\x08tls_mode\x18\x08 \x01(\t\x12:\n\x07servers\x18\t \x03(\x0b\x32).jetctl.control.v1.JoinReply.ServersEntry\x12\x19\n\x11refused_revisions\x18\n \x03(\t\x12\x13\n\x0brecipe_json\x18\x0b \x01(\t\x1a.\n\x0cServersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0cLedgerRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05table\x18\x02 \x01(\t\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\t\"\x8b\x02\n\x0bSyncRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x13\n\x0bstatus_json\x18\x06 \x01(\t\x12\x0f\n\x07journal\x18\x07 \x01(\t\x12\x30\n\x07records\x18\x08 \x03(\x0b\x32\x1f.jetctl.control.v1.LedgerRecord\x12\x10\n\x08\x65ndpoint\x18\t \x01(\t\x12\x0f\n\x07metrics\x18\n \x01(\t\x12\x19\n\x11refused_revisions\x18\x0b \x03(\t\x12\r\n\x05\x66inal\x18\x0c \x01(\x08\x12\x0c\n\x04host\x18\r \x01(\t\"\xed\x01\n\tSyncReply\x12:\n\x07servers\x18\x01 \x03(\x0b\x32).jetctl.control.v1.SyncReply.ServersEntry\x12\x19\n\x11refused_revisions\x18\x02 \x03(\t\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\x12\x13\n\x0bjournal_seq\x18\x04 \x01(\x03\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\r\n\x05known\x18\x06 \x01(\x08\x12\x15\n\rrevoked_nodes\x18\x07 \x03(\t\x1a.\n\x0cServersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xc3\x03\n\x07\x43ontrol\x12P\n\x06Status\x12#.jetctl.control.v1.RunStatusRequest\x1a!.jetctl.control.v1.RunStatusReply\x12\x44\n\x04\x44own\x12\x1e.jetctl.control.v1.DownRequest\x1a\x1c.jetctl.control.v1.DownReply\x12K\n\x0bSwapClients\x12\x1e.jetctl.control.v1.SwapRequest\x1a\x1c.jetctl.control.v1.SwapReply\x12G\n\x05Scale\x12\x1f.jetctl.control.v1.ScaleRequest\x1a\x1d.jetctl.control.v1.ScaleReply\x12\x44\n\x04Join\x12\x1e.jetctl.control.v1.JoinRequest\x1a\x1c.jetctl.control.v1.JoinReply\x12\x44\n\x04Sync\x12\x1e.jetctl.control.v1.SyncRequest\x1a\x1c.jetctl.control.v1.SyncReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x11jetctl.control.v1\"\x12\n\x10RunStatusRequest\"\xbb\x01\n\nNodeStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x14\n\x0c\x63ontainer_id\x18\x07 \x01(\t\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\t \x01(\t\x12\x10\n\x08revision\x18\n \x01(\t\x12\x0c\n\x04json\x18\x0b \x01(\t\"\xf2\x01\n\x0eRunStatusReply\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12,\n\x05nodes\x18\x04 \x03(\x0b\x32\x1d.jetctl.control.v1.NodeStatus\x12\r\n\x05state\x18\x05 \x01(\t\x12\x42\n\trows_json\x18\x06 \x03(\x0b\x32/.jetctl.control.v1.RunStatusReply.RowsJsonEntry\x1a/\n\rRowsJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1e\n\x0b\x44ownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"(\n\tDownReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\\\n\x0bSwapRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\r\n\x05\x61gent\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64rop_old\x18\x05 \x01(\x08\":\n\tSwapReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"-\n\x0cScaleRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0f\n\x07\x63lients\x18\x02 \x01(\x05\")\n\nScaleReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"u\n\x0bJoinRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\"\xab\x02\n\tJoinReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03run\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\r\n\x05\x61gent\x18\x05 \x01(\t\x12\x11\n\ttask_json\x18\x06 \x01(\t\x12\x12\n\nmodel_json\x18\x07 \x01(\t\x12\x10\n\x08tls_mode\x18\x08 \x01(\t\x12:\n\x07servers\x18\t \x03(\x0b\x32).jetctl.control.v1.JoinReply.ServersEntry\x12\x19\n\x11refused_revisions\x18\n \x03(\t\x12\x13\n\x0brecipe_json\x18\x0b \x01(\t\x1a.\n\x0cServersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0cLedgerRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05table\x18\x02 \x01(\t\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\t\"\x8b\x02\n\x0bSyncRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x13\n\x0bstatus_json\x18\x06 \x01(\t\x12\x0f\n\x07journal\x18\x07 \x01(\t\x12\x30\n\x07records\x18\x08 \x03(\x0b\x32\x1f.jetctl.control.v1.LedgerRecord\x12\x10\n\x08\x65ndpoint\x18\t \x01(\t\x12\x0f\n\x07metrics\x18\n \x01(\t\x12\x19\n\x11refused_revisions\x18\x0b \x03(\t\x12\r\n\x05\x66inal\x18\x0c \x01(\x08\x12\x0c\n\x04host\x18\r \x01(\t\"\xed\x01\n\tSyncReply\x12:\n\x07servers\x18\x01 \x03(\x0b\x32).jetctl.control.v1.SyncReply.ServersEntry\x12\x19\n\x11refused_revisions\x18\x02 \x03(\t\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\x12\x13\n\x0bjournal_seq\x18\x04 \x01(\x03\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\r\n\x05known\x18\x06 \x01(\x08\x12\x15\n\rrevoked_nodes\x18\x07 \x03(\t\x1a.\n\x0cServersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\x0bRowPosition\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\"\xc7\x01\n\x0bRowsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06n_rows\x18\x03 \x01(\x03\x12\x0e\n\x06\x65pochs\x18\x04 \x01(\x03\x12\x0c\n\x04want\x18\x05 \x01(\x05\x12-\n\x05\x61\x63ked\x18\x06 \x03(\x0b\x32\x1e.jetctl.control.v1.RowPosition\x12\x30\n\x08released\x18\x07 \x03(\x0b\x32\x1e.jetctl.control.v1.RowPosition\x12\r\n\x05\x66resh\x18\x08 \x01(\x08\"L\n\tRowsReply\x12,\n\x04rows\x18\x01 \x03(\x0b\x32\x1e.jetctl.control.v1.RowPosition\x12\x11\n\texhausted\x18\x02 \x01(\x08\x32\x89\x04\n\x07\x43ontrol\x12P\n\x06Status\x12#.jetctl.control.v1.RunStatusRequest\x1a!.jetctl.control.v1.RunStatusReply\x12\x44\n\x04\x44own\x12\x1e.jetctl.control.v1.DownRequest\x1a\x1c.jetctl.control.v1.DownReply\x12K\n\x0bSwapClients\x12\x1e.jetctl.control.v1.SwapRequest\x1a\x1c.jetctl.control.v1.SwapReply\x12G\n\x05Scale\x12\x1f.jetctl.control.v1.ScaleRequest\x1a\x1d.jetctl.control.v1.ScaleReply\x12\x44\n\x04Join\x12\x1e.jetctl.control.v1.JoinRequest\x1a\x1c.jetctl.control.v1.JoinReply\x12\x44\n\x04Sync\x12\x1e.jetctl.control.v1.SyncRequest\x1a\x1c.jetctl.control.v1.SyncReply\x12\x44\n\x04Rows\x12\x1e.jetctl.control.v1.RowsRequest\x1a\x1c.jetctl.control.v1.RowsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNSTATUSREPLY_ROWSJSONENTRY']._loaded_options = None
+  _globals['_RUNSTATUSREPLY_ROWSJSONENTRY']._serialized_options = b'8\001'
   _globals['_JOINREPLY_SERVERSENTRY']._loaded_options = None
   _globals['_JOINREPLY_SERVERSENTRY']._serialized_options = b'8\001'
   _globals['_SYNCREPLY_SERVERSENTRY']._loaded_options = None
@@ -39,34 +41,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNSTATUSREQUEST']._serialized_end=54
   _globals['_NODESTATUS']._serialized_start=57
   _globals['_NODESTATUS']._serialized_end=244
-  _globals['_RUNSTATUSREPLY']._serialized_start=246
-  _globals['_RUNSTATUSREPLY']._serialized_end=371
-  _globals['_DOWNREQUEST']._serialized_start=373
-  _globals['_DOWNREQUEST']._serialized_end=403
-  _globals['_DOWNREPLY']._serialized_start=405
-  _globals['_DOWNREPLY']._serialized_end=445
-  _globals['_SWAPREQUEST']._serialized_start=447
-  _globals['_SWAPREQUEST']._serialized_end=539
-  _globals['_SWAPREPLY']._serialized_start=541
-  _globals['_SWAPREPLY']._serialized_end=599
-  _globals['_SCALEREQUEST']._serialized_start=601
-  _globals['_SCALEREQUEST']._serialized_end=646
-  _globals['_SCALEREPLY']._serialized_start=648
-  _globals['_SCALEREPLY']._serialized_end=689
-  _globals['_JOINREQUEST']._serialized_start=691
-  _globals['_JOINREQUEST']._serialized_end=808
-  _globals['_JOINREPLY']._serialized_start=811
-  _globals['_JOINREPLY']._serialized_end=1110
-  _globals['_JOINREPLY_SERVERSENTRY']._serialized_start=1064
-  _globals['_JOINREPLY_SERVERSENTRY']._serialized_end=1110
-  _globals['_LEDGERRECORD']._serialized_start=1112
-  _globals['_LEDGERRECORD']._serialized_end=1193
-  _globals['_SYNCREQUEST']._serialized_start=1196
-  _globals['_SYNCREQUEST']._serialized_end=1463
-  _globals['_SYNCREPLY']._serialized_start=1466
-  _globals['_SYNCREPLY']._serialized_end=1703
-  _globals['_SYNCREPLY_SERVERSENTRY']._serialized_start=1064
-  _globals['_SYNCREPLY_SERVERSENTRY']._serialized_end=1110
-  _globals['_CONTROL']._serialized_start=1706
-  _globals['_CONTROL']._serialized_end=2157
+  _globals['_RUNSTATUSREPLY']._serialized_start=247
+  _globals['_RUNSTATUSREPLY']._serialized_end=489
+  _globals['_RUNSTATUSREPLY_ROWSJSONENTRY']._serialized_start=442
+  _globals['_RUNSTATUSREPLY_ROWSJSONENTRY']._serialized_end=489
+  _globals['_DOWNREQUEST']._serialized_start=491
+  _globals['_DOWNREQUEST']._serialized_end=521
+  _globals['_DOWNREPLY']._serialized_start=523
+  _globals['_DOWNREPLY']._serialized_end=563
+  _globals['_SWAPREQUEST']._serialized_start=565
+  _globals['_SWAPREQUEST']._serialized_end=657
+  _globals['_SWAPREPLY']._serialized_start=659
+  _globals['_SWAPREPLY']._serialized_end=717
+  _globals['_SCALEREQUEST']._serialized_start=719
+  _globals['_SCALEREQUEST']._serialized_end=764
+  _globals['_SCALEREPLY']._serialized_start=766
+  _globals['_SCALEREPLY']._serialized_end=807
+  _globals['_JOINREQUEST']._serialized_start=809
+  _globals['_JOINREQUEST']._serialized_end=926
+  _globals['_JOINREPLY']._serialized_start=929
+  _globals['_JOINREPLY']._serialized_end=1228
+  _globals['_JOINREPLY_SERVERSENTRY']._serialized_start=1182
+  _globals['_JOINREPLY_SERVERSENTRY']._serialized_end=1228
+  _globals['_LEDGERRECORD']._serialized_start=1230
+  _globals['_LEDGERRECORD']._serialized_end=1311
+  _globals['_SYNCREQUEST']._serialized_start=1314
+  _globals['_SYNCREQUEST']._serialized_end=1581
+  _globals['_SYNCREPLY']._serialized_start=1584
+  _globals['_SYNCREPLY']._serialized_end=1821
+  _globals['_SYNCREPLY_SERVERSENTRY']._serialized_start=1182
+  _globals['_SYNCREPLY_SERVERSENTRY']._serialized_end=1228
+  _globals['_ROWPOSITION']._serialized_start=1823
+  _globals['_ROWPOSITION']._serialized_end=1866
+  _globals['_ROWSREQUEST']._serialized_start=1869
+  _globals['_ROWSREQUEST']._serialized_end=2068
+  _globals['_ROWSREPLY']._serialized_start=2070
+  _globals['_ROWSREPLY']._serialized_end=2146
+  _globals['_CONTROL']._serialized_start=2149
+  _globals['_CONTROL']._serialized_end=2670
 # @@protoc_insertion_point(module_scope)

@@ -37,18 +37,27 @@ class NodeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., container_id: _Optional[str] = ..., restarts: _Optional[int] = ..., endpoint: _Optional[str] = ..., revision: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
 
 class RunStatusReply(_message.Message):
-    __slots__ = ("run", "run_dir", "uptime_s", "nodes", "state")
+    __slots__ = ("run", "run_dir", "uptime_s", "nodes", "state", "rows_json")
+    class RowsJsonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_JSON_FIELD_NUMBER: _ClassVar[int]
     run: str
     run_dir: str
     uptime_s: float
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     state: str
-    def __init__(self, run: _Optional[str] = ..., run_dir: _Optional[str] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., state: _Optional[str] = ...) -> None: ...
+    rows_json: _containers.ScalarMap[str, str]
+    def __init__(self, run: _Optional[str] = ..., run_dir: _Optional[str] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., state: _Optional[str] = ..., rows_json: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DownRequest(_message.Message):
     __slots__ = ("grace_s",)
@@ -223,3 +232,39 @@ class SyncReply(_message.Message):
     known: bool
     revoked_nodes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., journal_seq: _Optional[int] = ..., message: _Optional[str] = ..., known: _Optional[bool] = ..., revoked_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RowPosition(_message.Message):
+    __slots__ = ("epoch", "index")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    index: int
+    def __init__(self, epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class RowsRequest(_message.Message):
+    __slots__ = ("name", "task", "n_rows", "epochs", "want", "acked", "released", "fresh")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    N_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    task: str
+    n_rows: int
+    epochs: int
+    want: int
+    acked: _containers.RepeatedCompositeFieldContainer[RowPosition]
+    released: _containers.RepeatedCompositeFieldContainer[RowPosition]
+    fresh: bool
+    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., n_rows: _Optional[int] = ..., epochs: _Optional[int] = ..., want: _Optional[int] = ..., acked: _Optional[_Iterable[_Union[RowPosition, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[RowPosition, _Mapping]]] = ..., fresh: _Optional[bool] = ...) -> None: ...
+
+class RowsReply(_message.Message):
+    __slots__ = ("rows", "exhausted")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[RowPosition]
+    exhausted: bool
+    def __init__(self, rows: _Optional[_Iterable[_Union[RowPosition, _Mapping]]] = ..., exhausted: _Optional[bool] = ...) -> None: ...

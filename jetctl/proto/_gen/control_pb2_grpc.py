@@ -64,6 +64,11 @@ class ControlStub:
                 request_serializer=control__pb2.SyncRequest.SerializeToString,
                 response_deserializer=control__pb2.SyncReply.FromString,
                 _registered_method=True)
+        self.Rows = channel.unary_unary(
+                '/jetctl.control.v1.Control/Rows',
+                request_serializer=control__pb2.RowsRequest.SerializeToString,
+                response_deserializer=control__pb2.RowsReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -105,6 +110,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Sync,
                     request_deserializer=control__pb2.SyncRequest.FromString,
                     response_serializer=control__pb2.SyncReply.SerializeToString,
+            ),
+            'Rows': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rows,
+                    request_deserializer=control__pb2.RowsRequest.FromString,
+                    response_serializer=control__pb2.RowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Control:
             '/jetctl.control.v1.Control/Sync',
             control__pb2.SyncRequest.SerializeToString,
             control__pb2.SyncReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jetctl.control.v1.Control/Rows',
+            control__pb2.RowsRequest.SerializeToString,
+            control__pb2.RowsReply.FromString,
             options,
             channel_credentials,
             insecure,
