@@ -308,6 +308,23 @@ class LimitsConfig(_Strict):
         description="accepted groups a server holds untrained; past it Submit acks BUSY and "
         "the client keeps the group spooled and sends it again later",
     )
+    max_buffer_bytes: int = Field(
+        default=1 << 30,
+        ge=1024,
+        description="payload bytes of the accepted groups a server holds untrained (a bound "
+        "on its memory whatever the groups' size); past it Submit acks BUSY as for "
+        "max_buffer_groups. At least max_message_bytes, so that any one group fits",
+    )
+
+    @model_validator(mode="after")
+    def _one_group_fits(self) -> LimitsConfig:
+        if self.max_buffer_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"max_buffer_bytes ({self.max_buffer_bytes}) is below max_message_bytes "
+                f"({self.max_message_bytes}): a group that large could never be buffered; set "
+                f"max_buffer_bytes to at least {self.max_message_bytes}"
+            )
+        return self
 
 
 _ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")

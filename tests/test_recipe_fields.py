@@ -711,6 +711,10 @@ ROWS: dict[str, Row] = {
         "tests/server/test_server_buffer.py::test_past_the_bound_groups_are_busy_and_not_stored",
         "tests/server/test_store.py::test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing",
     )),
+    "models.<name>.limits.max_buffer_bytes": CoveredBy((
+        "tests/server/test_buffer_bytes.py::test_past_the_byte_bound_a_group_is_busy_and_not_stored",
+        "tests/server/test_buffer_bytes.py::test_a_byte_bound_below_one_message_is_refused_with_the_fix",
+    )),
     "models.<name>.host": Served(served_host),
     "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),

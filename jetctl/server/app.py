@@ -64,6 +64,14 @@ class ServerOptions:
     tracking: TrackingPlan | None = None  # run.trackers; None: the step log only
 
 
+def open_store(path: Path, cfg: ModelConfig) -> TrajectoryStore:
+    """The model's trajectory store, its buffer bounded by the recipe's limits."""
+    return TrajectoryStore(
+        path, decode=GroupCodec(), max_buffer_groups=cfg.limits.max_buffer_groups,
+        max_buffer_bytes=cfg.limits.max_buffer_bytes,
+    )
+
+
 def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
     """(generation, training) torch CPU threads: the recipe's, or this host's cores split in
     two, since the engine and the trainer compute at the same time. Two torch thread pools
@@ -100,10 +108,7 @@ async def serve(opts: ServerOptions) -> int:
     metrics = ServerMetrics()
     lock = WeightsLock()
     faults = Faults.from_env()  # off unless JETCTL_FAULTS / JETCTL_FAULTS_FILE say (chaos)
-    store = TrajectoryStore(
-        paths.store(opts.name), decode=GroupCodec(),
-        max_buffer_groups=cfg.limits.max_buffer_groups,
-    )
+    store = open_store(paths.store(opts.name), cfg)
     journal = Journal.install(store.path, STORE_TABLES)  # before the store writes anything
     trackers = None if opts.tracking is None else Trackers.open(
         opts.tracking, model=opts.name, run_dir=opts.run_dir, decode=tokenizer.decode,

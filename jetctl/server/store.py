@@ -15,9 +15,11 @@ a few facts (`GroupFacts`), and only the trainer decodes a group, when it trains
 Duplicates are recognised by group id across restarts: a resubmitted group gets its
 recorded outcome again (DUPLICATE if it was accepted, its refusal otherwise).
 
-The in-memory buffer of accepted, untrained groups holds at most `max_buffer_groups`; a new
-group that would pass it is not stored and gets `busy` (Ack BUSY): the client keeps it in
-its spool and resends it later, so back-pressure loses nothing.
+The in-memory buffer of accepted, untrained groups holds at most `max_buffer_groups`, and at
+most `max_buffer_bytes` of payload; a new group that would pass either is not stored and gets
+`busy` (Ack BUSY): the client keeps it in its spool and resends it later, so back-pressure
+loses nothing. (A group no larger than `max_buffer_bytes` always fits an empty buffer; the
+recipe keeps it at least `limits.max_message_bytes`.)
 
 For the ledger (`jetctl.ledger`) each row keeps its trajectory ids, and two append-only
 tables keep the history: `epochs` (one row per `open`, with the checkpoint version it
@@ -56,6 +58,7 @@ Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision", "busy
 Refusal = Literal["stale", "invalid", "revision"]
 REFUSALS: tuple[Refusal, ...] = ("stale", "invalid", "revision")
 MAX_BATCH = 512  # puts committed in one transaction at most
+DEFAULT_MAX_BUFFER_BYTES = 1 << 30  # limits.max_buffer_bytes's default
 REWARD_WINDOW = 32  # groups: reward_by_task is the mean of each task's last ones
 
 SCHEMA = """
@@ -286,13 +289,17 @@ class TrajectoryStore:
     """Durable store + in-memory buffer of accepted, untrained groups."""
 
     def __init__(
-        self, path: Path, *, decode: GroupCodec, max_buffer_groups: int = 1024
+        self, path: Path, *, decode: GroupCodec, max_buffer_groups: int = 1024,
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     ) -> None:
         if max_buffer_groups < 1:
             raise ValueError(f"max_buffer_groups ({max_buffer_groups}) must be at least 1")
+        if max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes ({max_buffer_bytes}) must be at least 1")
         self.path = path
         self._codec = decode
         self.max_buffer_groups = max_buffer_groups
+        self.max_buffer_bytes = max_buffer_bytes
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -304,6 +311,7 @@ class TrajectoryStore:
         self.epoch = 0
         self._db_lock = threading.Lock()
         self._buffer: deque[StoredGroup] = deque()
+        self._buffer_bytes = 0  # payload bytes in _buffer (changed under _buffer_cond)
         self._buffer_cond = threading.Condition()
         self._queue: queue.Queue[_PutRequest | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
@@ -364,6 +372,7 @@ class TrajectoryStore:
                     reward_sum=reward_sum,
                 )
                 self._buffer.append(StoredGroup(facts, payload, at, self._codec.decode))
+            self._buffer_bytes = sum(len(s.payload) for s in self._buffer)
         self._writer.start()
         return len(rows)
 
@@ -443,6 +452,7 @@ class TrajectoryStore:
         now = time.time()
         # the trainer only takes from the buffer meanwhile, so the room can only grow
         room = self.max_buffer_groups - len(self._buffer)
+        room_bytes = self.max_buffer_bytes - self._buffer_bytes
         # a caller that gave up (its Submit was cancelled at its deadline) cancelled its
         # future; its rows are committed all the same and a resend hears DUPLICATE. The
         # others cannot be cancelled from here on, so setting their result cannot raise
@@ -466,8 +476,10 @@ class TrajectoryStore:
                     if f.id in known:
                         results.append(known[f.id])
                         continue
-                    if put.outcome == "accepted" and room <= 0:
-                        results.append(PutResult("busy", _busy_reason(self.max_buffer_groups)))
+                    if put.outcome == "accepted" and (
+                        room <= 0 or len(put.payload) > room_bytes
+                    ):
+                        results.append(PutResult("busy", self._busy_reason(room <= 0)))
                         continue
                     buffered = put.outcome == "accepted"
                     refusal = "" if buffered else put.outcome
@@ -484,6 +496,7 @@ class TrajectoryStore:
                     known[f.id] = result if not buffered else PutResult("duplicate", "")
                     if buffered:
                         room -= 1
+                        room_bytes -= len(put.payload)
                         accepted.append(StoredGroup(f, put.payload, now, self._codec.decode))
                 self._db.executemany(
                     "INSERT INTO groups (id, task, n_traj, min_version, state, reason, refusal, "
@@ -506,6 +519,7 @@ class TrajectoryStore:
         if accepted:
             with self._buffer_cond:
                 self._buffer.extend(accepted)
+                self._buffer_bytes += sum(len(s.payload) for s in accepted)
                 self._buffer_cond.notify_all()
         start = 0
         for req, wants in zip(batch, waiting):
@@ -556,6 +570,7 @@ class TrajectoryStore:
             else:
                 chosen = {id(s) for s in found}
                 self._buffer = deque(s for s in self._buffer if id(s) not in chosen)
+            self._buffer_bytes -= sum(len(s.payload) for s in found)
         return found
 
     def take_older_than(self, min_version: int) -> list[StoredGroup]:
@@ -565,12 +580,14 @@ class TrajectoryStore:
             old = [s for s in self._buffer if s.facts.min_version < min_version]
             if old:
                 self._buffer = deque(s for s in self._buffer if s.facts.min_version >= min_version)
+                self._buffer_bytes -= sum(len(s.payload) for s in old)
         return old
 
     def give_back(self, groups: list[StoredGroup]) -> None:
         """Return groups that were taken but not trained (front of the queue, same order)."""
         with self._buffer_cond:
             self._buffer.extendleft(reversed(groups))
+            self._buffer_bytes += sum(len(s.payload) for s in groups)
             self._buffer_cond.notify_all()
 
     def mark_trained(self, group_ids: list[str], step: int) -> None:
@@ -637,6 +654,20 @@ class TrajectoryStore:
     def buffer_depth(self) -> int:
         return len(self._buffer)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Payload bytes of the buffered groups."""
+        return self._buffer_bytes
+
+    def _busy_reason(self, full_of_groups: bool) -> str:
+        held = (
+            f"{self.max_buffer_groups} untrained groups (limits.max_buffer_groups)"
+            if full_of_groups else
+            f"{self._buffer_bytes} bytes of untrained groups, and this one would pass "
+            f"{self.max_buffer_bytes} (limits.max_buffer_bytes)"
+        )
+        return f"busy: the server holds {held}; not stored, send it again later"
+
     def counts(self) -> StoreCounts:
         """Trajectory and group counts by state, and of the rejected ones by refusal."""
         return self._tally.counts()
@@ -667,10 +698,3 @@ def _recorded_outcome(state: str, refusal: str, reason: str) -> PutResult:
     if state == "rejected":
         return PutResult(cast(Refusal, refusal), reason)
     return PutResult("duplicate", "")
-
-
-def _busy_reason(limit: int) -> str:
-    return (
-        f"busy: the server holds {limit} untrained groups (limits.max_buffer_groups); "
-        "not stored, send it again later"
-    )
