@@ -41,7 +41,8 @@ models:
     model: builtin:tiny
     finetune: full
     train: {{max_staleness: 1000000}}
-    limits: {{max_message_bytes: {limit}, max_buffer_groups: 100000000}}
+    limits: {{max_message_bytes: {limit}, max_buffer_groups: 100000000,
+              max_buffer_bytes: 1099511627776}}
 tasks:
   bench:
     env: envs.digits:make_env
