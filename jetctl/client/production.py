@@ -139,7 +139,7 @@ class Producer:
         return task_source(
             env, self._link, node=cfg.node, task=cfg.task_name,
             rng=random.Random(cfg.task.seed + cfg.index),
-            block=math.ceil(self.slots.limit / cfg.task.group_size) + 1,
+            block=math.ceil(self.slots.limit / cfg.task.group_size) + 1, stop=self._draining,
         )
 
     async def run(self) -> None:

@@ -1,6 +1,7 @@
 """Where a client node's tasks come from: the env's own stream, or rows leased from the run.
 
-    source = task_source(env, link, node="rows-0", task="rows", rng=rng, block=4)
+    source = task_source(env, link, node="rows-0", task="rows", rng=rng, block=4,
+                         stop=draining)
     picked = await source.next()          # Picked(task, position) or None: the stream ended
     source.done(picked, seen=True)        # its group finished (spooled or dropped)
     await source.close()                  # drained: give back what was never started
@@ -74,8 +75,12 @@ class EnvStream:
 class LeasedRows:
     """Positions leased from the controller; see the module docstring."""
 
-    def __init__(self, env: Any, link: ControlLink, node: str, task: str, block: int) -> None:
+    def __init__(
+        self, env: Any, link: ControlLink, node: str, task: str, block: int,
+        stop: asyncio.Event,
+    ) -> None:
         self.env = env
+        self._stop = stop  # the node drains: stop waiting for rows others hold
         self.link = link
         self.node = node
         self.task = task
@@ -94,7 +99,12 @@ class LeasedRows:
             if not self._buffer:
                 if reply.exhausted:
                     return None
-                await asyncio.sleep(RETRY_S)  # others hold the last rows; some may come back
+                # others hold the last rows; some may come back (unless this node drains)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=RETRY_S)
+                except asyncio.TimeoutError:
+                    continue
+                return None
         position = self._buffer.popleft()
         return Picked(self.env.task_at(position), position)
 
@@ -155,9 +165,11 @@ def has_positions(env: Any) -> bool:
 
 
 def task_source(
-    env: Any, link: ControlLink | None, *, node: str, task: str, rng: random.Random, block: int
+    env: Any, link: ControlLink | None, *, node: str, task: str, rng: random.Random, block: int,
+    stop: asyncio.Event,
 ) -> TaskSource:
-    """`LeasedRows` for an env with positions on a node with a controller, else `EnvStream`."""
+    """`LeasedRows` for an env with positions on a node with a controller, else `EnvStream`.
+    `stop` set (the node drains) ends a wait for rows that other nodes hold."""
     if link is not None and has_positions(env):
-        return LeasedRows(env, link, node, task, block)
+        return LeasedRows(env, link, node, task, block, stop)
     return EnvStream(iter(env.tasks(rng)))

@@ -4,6 +4,7 @@ back from rows.json goes on where it stopped."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -77,3 +78,21 @@ def test_a_node_reading_another_dataset_is_refused() -> None:
     leases.lease(call("a", want=1), lambda _: False)
     with pytest.raises(RowsRefused, match="reads 11 rows, the run's other nodes 10"):
         leases.lease(call("b", want=1, n_rows=11), lambda _: False)
+
+
+def test_status_shows_a_dataset_tasks_epoch_and_position() -> None:
+    from rich.console import Console
+
+    from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.status import document, tasks_table
+
+    leases = RowLeases(None)
+    leases.lease(call("a", want=13), lambda _: False)
+    reply = cpb.RunStatusReply(run="r", state="running")
+    for task, progress in leases.progress().items():
+        reply.rows_json[task] = json.dumps(progress)
+    doc = document(reply)
+    assert doc["tasks"]["rows"]["rows"]["leased"] == 13
+    console = Console(width=200, record=True)
+    console.print(tasks_table(doc))
+    assert "epoch 1: 3/10" in console.export_text()
