@@ -114,6 +114,7 @@ class Trainer:
             BatchMix(dict(mix), cfg.train.groups_per_step, cfg.train.mix_wait_s) if mix else None
         )
         self._quota: dict[str, int] | None = None  # the batch being gathered's slots per task
+        self._cpu_mark = time.process_time()  # the server's CPU seconds at the last step row
         self._held_up: set[str] = set()  # tasks this batch waited for, the others full
 
     # --- lifecycle -------------------------------------------------------------------
@@ -286,6 +287,7 @@ class Trainer:
         self, batch: list[StoredGroup], wait_s: float, skipped: list[StoredGroup] | None = None,
     ) -> dict[str, float]:
         t0 = time.monotonic()
+        cpu0 = time.thread_time()  # the trainer thread's CPU: the step's train seconds
         version_before = self.version
         memory.reset_peak(self.device)
         skipped = skipped or []
@@ -303,11 +305,14 @@ class Trainer:
                 self.version += 1
             self.optimizer.zero_grad(set_to_none=True)
         t_train = time.monotonic() - t0
+        train_cpu_s = time.thread_time() - cpu0
         ids = [s.group.id for s in batch]
         self.store.mark_trained(ids, self.version)
         publish_s = 0.0
+        cpu1 = time.thread_time()
         if self.publish is not None and self.version != version_before:
             publish_s = self.publish(self.version)
+        publish_cpu_s = time.thread_time() - cpu1
 
         n_traj = sum(len(s.group.trajectories) for s in batch)
         f = self.figures
@@ -348,6 +353,17 @@ class Trainer:
             }
         )
         scalars.update(memory.memory_figures(self.device))
+        by_task = _tokens_by_task(batch, skipped)
+        server_cpu_s, self._cpu_mark = time.process_time() - self._cpu_mark, time.process_time()
+        scalars.update({  # the cost ledger's figures (jetctl/costs.py sums them)
+            "cost/server_cpu_s": server_cpu_s,  # the whole process since the last step row
+            "cost/train_cpu_s": train_cpu_s,
+            "cost/publish_cpu_s": publish_cpu_s,
+            # the rest: generation above all, with admission, gRPC and gathering
+            "cost/generate_cpu_s": max(0.0, server_cpu_s - train_cpu_s - publish_cpu_s),
+            "tokens/generated": float(sum(g for g, _ in by_task.values())),
+            "tokens/trained": float(sum(t for _, t in by_task.values())),
+        })
         if "num_tokens" in scalars and t_train > 0:
             scalars["tokens_per_second"] = scalars["num_tokens"] / t_train
         f.last_step = scalars
@@ -355,7 +371,7 @@ class Trainer:
             scalars.update(self.extra_scalars())
         if self.trackers is not None:
             scalars["trackers/failures"] = float(self.trackers.failures)
-        self._log(scalars, ids)
+        self._log(scalars, ids, by_task)
         if self.trackers is not None:
             self.trackers.log(scalars, [s.group for s in batch], self.algorithm.advantages)
         if self.on_step:
@@ -401,13 +417,16 @@ class Trainer:
         self.store.forget_payloads(through_step=self.version)
         return path
 
-    def _log(self, scalars: dict[str, float], group_ids: list[str]) -> None:
+    def _log(self, scalars: dict[str, float], group_ids: list[str],
+             by_task: dict[str, tuple[int, int]]) -> None:
         # what `jetctl replay` needs (jetctl/replay.py): the batch's groups in training order,
         # the torch threads (CPU sums depend on them) and, with LoRA, a digest of the adapter
         # after the step (a few MB at most; full fine-tuning's weights are too big to hash
         # every step). In the log only: the trackers and on_step get the scalars.
         row: dict[str, object] = {**scalars, "replay/group_ids": group_ids,
                                   "replay/threads": torch.get_num_threads()}
+        # per task: [generated, trained] completion tokens (jetctl/costs.py)
+        row["cost/tokens_by_task"] = {t: list(v) for t, v in sorted(by_task.items())}
         if W.is_lora(self.model):
             row["replay/weights_sha256"] = W.digest(self.model)
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
@@ -419,6 +438,21 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: ModelConfig) -> torch.
     """The trainer's optimizer over `params` (also what `jetctl replay` rebuilds)."""
     opt = cfg.optimizer
     return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+
+
+def _tokens_by_task(
+    batch: list[StoredGroup], skipped: list[StoredGroup],
+) -> dict[str, tuple[int, int]]:
+    """task -> (completion tokens generated, of them trained) over the groups this step
+    consumed: every one was generated, the batch's were trained on (skipped ones carry no
+    signal). One pass over each group's calls (already decoded for the step)."""
+    out: dict[str, tuple[int, int]] = {}
+    for trained, groups in ((True, batch), (False, skipped)):
+        for s in groups:
+            n = sum(len(c.completion_ids) for t in s.group.trajectories for c in t.calls)
+            g, t = out.get(s.group.task, (0, 0))
+            out[s.group.task] = (g + n, t + (n if trained else 0))
+    return out
 
 
 def _no_signal(s: StoredGroup) -> bool:
