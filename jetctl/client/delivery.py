@@ -10,8 +10,11 @@ batches of at most `batch_groups` and the server's message cap; transport errors
 with capped exponential backoff + jitter; while the link is down the oldest group is resent
 every `probe_s` and the first ack makes every deferred group due again, so a healed partition
 drains in less time than it lasted. A request the server refuses whole (INVALID_ARGUMENT) is
-resent one group at a time to find the bad one. STALE, INVALID and REVISION are final; the
-REVISION ack means the server refuses this node's revision, so the node drains.
+resent one group at a time to find the bad one, and once those are resent the node batches
+again. STALE, INVALID and REVISION are final; the REVISION ack means the server refuses this
+node's revision, so the node drains. A RESOURCE_EXHAUSTED with a `retry-after-ms` (the
+server's store writer is full) defers the batch by that long: the server is reachable, so
+this is not a link down, and the groups stay spooled (nothing is lost).
 
 A team task's node has one `Delivery` per model (`model=`), each with its own transport and
 taking only its model's groups from the shared spool, so one model's unreachable server
@@ -31,7 +34,7 @@ import grpc
 
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.spool import Outcome, PendingGroup, Spool
-from jetctl.client.transport import EndpointNotFound, SwarmTransport
+from jetctl.client.transport import EndpointNotFound, SwarmTransport, retry_after_s
 from jetctl.proto._gen import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class Delivery:
         self._on_acked = on_acked  # (seconds the Submit took, groups it acked): benchmarks
         # groups per Submit; drops to 1 after a whole request was refused, to isolate the bad one
         self._batch = options.batch_groups
+        self._singles_left = 0  # groups to resend one by one before batching again
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._link_down_since: float | None = None  # monotonic; a Submit failed in transport
@@ -169,10 +173,20 @@ class Delivery:
                 # several groups, resend them one by one next time to tell which.
                 if len(batch) == 1:
                     self._record_ack(batch[0], "invalid", f"invalid: {e.details()}")
+                    self._sent_one_by_one()
                 else:
                     self._batch = 1
+                    self._singles_left = len(batch)
                     for item in batch:
                         self.spool.defer(item.id, 0.0)
+                return len(batch)
+            wait_s = retry_after_s(e)
+            if wait_s is not None:  # the server is busy, not gone: wait as long as it asks
+                log.info("submit of %d groups: %s; resending in %.1fs", len(batch),
+                         short_error(e), wait_s)
+                self.stats.busy_refusals += 1
+                for item in batch:
+                    self.spool.defer(item.id, wait_s * random.uniform(1.0, 1.5))
                 return len(batch)
             log.warning("submit of %d groups failed: %s; will resend", len(batch), short_error(e))
             for item in batch:
@@ -202,6 +216,7 @@ class Delivery:
                 time.monotonic() - self._link_down_since, resent,
             )
             self._link_down_since = None
+        self._sent_one_by_one()
         acks = {a.group_id: a for a in reply.acks}
         for item in batch:
             ack = acks.get(item.id)
@@ -211,6 +226,14 @@ class Delivery:
                 continue
             self._record_ack(item, outcome, ack.reason)
         return len(batch)
+
+    def _sent_one_by_one(self) -> None:
+        """A Submit got its answer: once the groups of a refused request have each been
+        resent alone (the bad one found), batch again."""
+        if self._singles_left > 0:
+            self._singles_left -= 1
+            if self._singles_left == 0:
+                self._batch = self.opts.batch_groups
 
     def _dead_letter(self, item: PendingGroup, cap: int) -> None:
         """A group larger than the server takes can never be delivered: give it up, loudly."""

@@ -30,6 +30,7 @@ class NodeStats:
     groups_dropped: int = 0
     groups_finished: int = 0
     acks: dict[str, int] = field(default_factory=dict)
+    busy_refusals: int = 0  # Submits refused RESOURCE_EXHAUSTED with a retry-after
     dropped: dict[str, int] = field(default_factory=dict)
 
     def drop(self, reason: str, n: int = 1) -> None:

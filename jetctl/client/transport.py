@@ -178,6 +178,25 @@ def read_endpoint(run_dir: Path, model: str) -> str:
     return endpoint
 
 
+RETRY_AFTER_KEY = "retry-after-ms"  # jetctl.server.service's, on a RESOURCE_EXHAUSTED
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The wait a server asked for with a RESOURCE_EXHAUSTED (its store's writer is full),
+    or None when the error is not such a refusal."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return None
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE
 

@@ -33,6 +33,11 @@ log = logging.getLogger("jetctl.server")
 CHUNK_BYTES = 4 << 20  # PullWeights data per message (less when max_message_bytes is smaller)
 CHUNK_FRAMING = 4096  # room in a message for a chunk's other fields
 MAX_TASK_LABELS = 64  # distinct `task` label values; more would grow /metrics without bound
+# groups handed to the store's writer and not yet committed; past it Submit answers
+# RESOURCE_EXHAUSTED with a retry-after (a writer stalled on a slow disk must not queue
+# requests, and their payloads, without bound)
+MAX_PENDING_WRITES = 8192
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED to wait out
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
 ACK_CODES = {
     "accepted": pb.Ack.ACCEPTED,
@@ -82,6 +87,8 @@ class SwarmService:
         self.tokens_generated = 0
         self._accepted = RecentRate(window_s=60)  # trajectories accepted, per second
         self._task_labels: set[str] = set()
+        self.max_pending_writes = MAX_PENDING_WRITES
+        self._pending_writes = 0  # groups in the store's write queue (this loop's count)
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -178,6 +185,7 @@ class SwarmService:
     async def submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.SubmitReply:
         req = await self._parse(raw, pb.SubmitRequest, context)
         await self._check_count(req, context)
+        await self._check_writer(context)
         reply = await self._submit(req, raw)
         if reply.acks and all(a.code == pb.Ack.INVALID for a in reply.acks):
             # nothing in the request was usable: refuse the call as a whole
@@ -193,7 +201,26 @@ class SwarmService:
         async for raw in requests:
             req = await self._parse(raw, pb.SubmitRequest, context)
             await self._check_count(req, context)
+            await self._check_writer(context)
             yield await self._submit(req, raw)
+
+    async def _check_writer(self, context: grpc.aio.ServicerContext) -> None:
+        """Past `max_pending_writes` groups waiting for the store's writer, refuse the call
+        with RESOURCE_EXHAUSTED and how long to wait (`retry-after-ms`, trailing metadata):
+        the client keeps its groups spooled and sends them again then. One comparison of a
+        counter this loop keeps: nothing on the Submit path waits for it."""
+        if self._pending_writes < self.max_pending_writes:
+            return
+        self.refuse("store_busy")
+        # a quarter of a millisecond per queued group (a guess at a slow disk's commit
+        # rate, not a measurement), within 0.1 .. 5 s
+        retry_ms = min(5000, max(100, self._pending_writes // 4))
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the store's writer has {self._pending_writes} groups queued (at most "
+            f"{self.max_pending_writes}): send again in {retry_ms} ms",
+            trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
+        )
 
     async def _check_count(self, req: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> None:
         """Many tiny groups fit under the byte cap; each costs work and an ack: cap them."""
@@ -247,7 +274,11 @@ class SwarmService:
             pending.append((len(acks), verdict.facts.id, n_traj))
             acks.append(None)
         # one future for the request's groups: one wake-up of this loop, not one per group
-        results = await asyncio.wrap_future(self.store.put_many(puts)) if puts else []
+        self._pending_writes += len(puts)
+        try:
+            results = await asyncio.wrap_future(self.store.put_many(puts)) if puts else []
+        finally:
+            self._pending_writes -= len(puts)
         for (index, group_id, n_traj), res in zip(pending, results):
             if res.outcome == "accepted":
                 self._accepted.add(n_traj)
