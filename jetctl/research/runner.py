@@ -177,6 +177,7 @@ class StudyRunner:
             else:
                 run.events.append("the study restarted; resumed with jetctl up --resume")
                 run.launch(resume=True)
+            trial.set_user_attr("events", run.events)
             self.active[frozen.number] = (trial, run)
             self.say(f"trial {frozen.number} adopted from the study's storage ({run.events[-1]})")
 
@@ -201,8 +202,7 @@ class StudyRunner:
                                f"{step} ({spec.metric.label} = {value:.3f})")
             chaos = spec.chaos
             if (chaos is not None and chaos.crash_trial == number and not run.crashed_on_purpose
-                    and step >= chaos.crash_at_step):
-                run.crash_now()
+                    and step >= chaos.crash_at_step and run.crash_now()):
                 trial.set_user_attr("crashed_on_purpose", True)
                 self._event(trial, run, f"step {step}: chaos killed jetctl up (kill -9)")
         if run.stopping is None:
@@ -223,6 +223,8 @@ class StudyRunner:
     def _crashed(self, trial: Any, run: TrialRun, code: int) -> None:
         step = int(run.steps.rows[-1]["step"]) if run.steps.rows else 0
         why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        if run.proc is None:  # an adopted `up`, not this process's child: no exit code to read
+            why = "it exited before the run finished"
         if run.resumes < self.study.spec.watchdog.max_resumes:
             run.resumes += 1
             trial.set_user_attr("resumes", run.resumes)

@@ -64,11 +64,17 @@ class TrialRun:
                                          env={**os.environ, "COLUMNS": "120"})
         self.adopted_pid = None
 
-    def crash_now(self) -> None:
-        """kill -9 the trial's `jetctl up` (chaos): its nodes live on without a controller."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.crashed_on_purpose = True
+    def crash_now(self) -> bool:
+        """kill -9 the trial's `jetctl up` (chaos): its nodes live on without a controller.
+        False when no `up` was running to kill."""
+        pid = self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+        if pid is None and self.adopted_pid is not None and _pid_alive(self.adopted_pid):
+            pid = self.adopted_pid
+        if pid is None:
+            return False
+        os.kill(pid, signal.SIGKILL)
+        self.crashed_on_purpose = True
+        return True
 
     def stop(self, outcome: str, reason: str) -> None:
         """Ask the run to drain (`jetctl down`); `exit_code` says when it is over."""

@@ -60,7 +60,7 @@ def test_crash_study_resumes_the_crashed_trial_and_ranks_all(tmp_path: Path) -> 
     # again: the budget is spent, so nothing starts; the storage is the state
     again = jetctl("research", "studies/crash.yaml", "--dir", str(study_dir), timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "started" not in again.stdout
+    assert " started: " not in again.stdout
     assert len(trial_rows(storage_url(study_dir), "crash")) == 3
 
     status = jetctl("research", "status", str(study_dir), timeout=60)
