@@ -378,9 +378,10 @@ def _chunks(n: int, size: int) -> Iterator[int]:
 
 
 def results_path(run_dir: Path, step: int, split: str) -> Path:
-    """Where `jetctl eval` keeps a run's figures at a step (read by the export's model card).
-    (A run-dir path outside jetctl/rundir.py: it belongs there, with the other paths.)"""
-    return run_dir / "eval" / f"step-{step}.{split}.json"
+    """Where `jetctl eval` keeps a run's figures at a step (read by the export's model card)."""
+    from jetctl.rundir import RunPaths
+
+    return RunPaths(run_dir).eval_results(step, split)
 
 
 def save_results(source: RunSource, report: dict[str, dict[str, TaskFigures]], split: str) -> None:

@@ -113,6 +113,15 @@ class RunPaths:
         return self.root / "rows.json"
 
     @property
+    def eval_dir(self) -> Path:
+        """`jetctl eval`'s figures of each checkpoint (jetctl.eval), read by the export's
+        model card."""
+        return self.root / "eval"
+
+    def eval_results(self, step: int, split: str) -> Path:
+        return self.eval_dir / f"step-{step}.{split}.json"
+
+    @property
     def faults(self) -> Path:
         """The faults in force during a chaos run (jetctl.faults)."""
         return self.root / "faults"
