@@ -11,7 +11,7 @@ ones it will not start (it drains). What a node held returns to the pool when
 * it is gone: no longer a node of the run (a swap retired it), exited, or unreachable.
 
 The pool is served before the cursor, so a restart or a swap neither repeats nor skips a row.
-The state is written to `RUN_DIR/rows.json` (atomically) on every change, so `up --resume`
+The state is written to `RUN_DIR/rows.json` (atomically) when a call changed it, so `up --resume`
 goes on where the run stopped, and `jetctl status` shows each task's epoch and position.
 
     rows = RowLeases(paths.rows)
@@ -132,6 +132,7 @@ class RowLeases:
         releases, then lease up to `want` positions: returned ones first."""
         with self._lock:
             rows = self._task(call)
+            before = rows.to_json()
             held = rows.leases.setdefault(call.name, set())
             if call.fresh:
                 rows.give_back(held)
@@ -153,7 +154,8 @@ class RowLeases:
             held.update(positions)
             others = any(h for n, h in rows.leases.items() if n != call.name)
             exhausted = not positions and rows.done and not rows.pool and not others
-            self._save()
+            if rows.to_json() != before:  # a node waiting for rows changes nothing
+                self._save()
         return Lease(positions, exhausted)
 
     def _task(self, call: RowsCall) -> TaskRows:
