@@ -21,8 +21,10 @@ teams, whose node served one model), so the ledger balances per model: a team ta
 spools one group per role, each bound for its own model's server.
 
 The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
-node's job, and `bytes` is what it reads. Used from one thread of one process; sqlite's
-own locking makes a second opener (a restarted node) safe.
+node's job, and `bytes` is what it reads: a running count of the pending payload bytes, read
+from the file once at open and kept by each write after it commits (O(1), however many groups
+wait). Used from one thread of one process; sqlite's own locking makes a second opener (a
+restarted node) safe (another opener's writes are not in this one's `bytes` until it reopens).
 
     spool = Spool(path)
     spool.put(group_id, payload, n_trajectories)
@@ -129,6 +131,9 @@ class Spool:
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        self._bytes = int(  # the pending payload bytes, kept by each write from here on
+            self._db.execute("SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM pending").fetchone()[0]
+        )
 
     def close(self) -> None:
         self._db.close()
@@ -198,27 +203,33 @@ class Spool:
         t = time.time() if now is None else now
         ids = ",".join(trajectory_ids or [])
         with self._tx():
-            self._insert_pending(group_id, payload, n_trajectories, t, ids, model)
+            added = self._insert_pending(group_id, payload, n_trajectories, t, ids, model)
+        self._bytes += added
 
     def put_all(self, groups: list[SpooledGroup], now: float | None = None) -> None:
         """`put` for several groups in one transaction: a team's groups of one rollout batch
         (one per role) are spooled together or not at all."""
         t = time.time() if now is None else now
+        added = 0
         with self._tx():
             for g in groups:
-                self._insert_pending(
+                added += self._insert_pending(
                     g.id, g.payload, len(g.trajectory_ids), t, ",".join(g.trajectory_ids), g.model
                 )
+        self._bytes += added
 
     def _insert_pending(
         self, group_id: str, payload: bytes, n: int, t: float, ids: str, model: str
-    ) -> None:
-        self._db.execute(
+    ) -> int:
+        """Insert a pending group (an id already pending is left as it is); returns the
+        payload bytes it added."""
+        inserted = self._db.execute(
             "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
             " next_attempt_at, trajectory_ids, model) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
             (group_id, payload, n, t, t, ids, model),
-        )
+        ).rowcount
         self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
+        return len(payload) if inserted == 1 else 0
 
     def ack(
         self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
@@ -229,7 +240,8 @@ class Spool:
         t = time.time() if now is None else now
         with self._tx():
             row = self._db.execute(
-                "SELECT n_trajectories, trajectory_ids, model FROM pending WHERE id = ?",
+                "SELECT n_trajectories, trajectory_ids, model, LENGTH(payload) FROM pending "
+                "WHERE id = ?",
                 (group_id,),
             ).fetchone()
             if row is None:
@@ -240,6 +252,7 @@ class Spool:
                 (group_id, row[0], outcome, reason, t, row[1], row[2]),
             )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
+        self._bytes -= int(row[3])
 
     def defer(self, group_id: str, delay_s: float, now: float | None = None) -> None:
         """A send failed: count the attempt and hold the group back for `delay_s`."""
@@ -289,7 +302,9 @@ class Spool:
         message cap): its trajectories become `dropped(dead-letter)`, in one transaction."""
         t = time.time()
         with self._tx():
-            row = self._db.execute("SELECT model FROM pending WHERE id = ?", (group_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT model, LENGTH(payload) FROM pending WHERE id = ?", (group_id,)
+            ).fetchone()
             model = row[0] if row is not None else ""
             for tid in trajectory_ids:
                 self._db.execute(
@@ -298,6 +313,8 @@ class Spool:
                     (tid, error, t, model),
                 )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
+        if row is not None:
+            self._bytes -= int(row[1])
 
     # ------------------------------------------------------------------ reads
 
@@ -335,10 +352,8 @@ class Spool:
         )
 
     def bytes(self) -> int:
-        """Payload bytes of pending groups (the back-pressure figure)."""
-        return int(
-            self._db.execute("SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM pending").fetchone()[0]
-        )
+        """Payload bytes of pending groups (the back-pressure figure; a running count)."""
+        return self._bytes
 
     def oldest_age_s(self, now: float | None = None) -> float:
         """Age of the oldest pending group in seconds (0 when empty)."""
