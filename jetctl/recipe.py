@@ -425,6 +425,15 @@ class ModelConfig(_Strict):
                     "(the model's) instead",
                 )
             )
+        if self.engine == "vllm" and self.generation.threads is not None:
+            problems.append(
+                Problem(
+                    ("generation", "threads"),
+                    self.generation.threads,
+                    "sets the CPU threads of the hf and continuous engines; engine vllm "
+                    "generates on its GPU and does not read it: remove it",
+                )
+            )
         if self.finetune == "full" and self.train.kl_coef > 0:
             problems.append(
                 Problem(
@@ -698,6 +707,25 @@ class TaskConfig(_Strict):
                     f"(this task runs as {self.runtime}): remove it or change runtime",
                 )
             )
+        if self.runtime == "process":  # the process runtime starts plain subprocesses
+            for key in sorted({"cpus", "memory"} & self.resources.model_fields_set):
+                problems.append(
+                    Problem(
+                        ("resources", key),
+                        getattr(self.resources, key),
+                        "is not applied by runtime: process (plain subprocesses, no limits): "
+                        "use runtime: docker for container limits or runtime: ray for "
+                        "reservations, or remove it",
+                    )
+                )
+        if self.image is not None and self.runtime != "docker":
+            problems.append(
+                Problem(
+                    ("image",), self.image,
+                    f"only applies to runtime: docker (this task runs as {self.runtime}): "
+                    "remove it or set runtime: docker",
+                )
+            )
         if self.network != "isolated" and self.runtime != "docker":
             problems.append(
                 Problem(
@@ -938,6 +966,22 @@ def _recipe_problems(
                 if p not in problems:  # two roles on models with the same caps: once
                     problems.append(p)
     problems += _mix_problems(models, tasks)
+    folders: dict[str, str] = {}  # checkpoint.dir -> the first model that names it
+    for name, model in models.items():
+        folder = model.checkpoint.dir
+        if folder is None:
+            continue  # <run dir>/checkpoints/<model>: a folder of its own
+        first = folders.setdefault(folder.rstrip("/"), name)
+        if first != name:
+            problems.append(
+                Problem(
+                    ("models", name, "checkpoint", "dir"),
+                    folder,
+                    f"is also models.{first}.checkpoint.dir: two models' steps would mix in "
+                    "one folder; give each model its own folder, or leave it unset "
+                    "(<run dir>/checkpoints/<model>)",
+                )
+            )
     taken: dict[tuple[str, int], str] = {}
     for name, model in models.items():
         for key in ("port", "metrics_port"):

@@ -440,3 +440,44 @@ def test_a_generation_dtype_for_engine_vllm_is_refused() -> None:
             parse_recipe(same, file="r.yaml", env={})
         except RecipeError as e:  # where vllm is not importable, the engine line is refused
             assert "models.policy.generation.dtype" not in {i.path for i in e.issues}
+
+
+def test_settings_the_task_runtime_would_ignore_are_refused() -> None:
+    """Container limits and an image under runtime: process are not applied there: refused,
+    each on its own line, where they would otherwise be accepted and ignored."""
+    text = GOOD.replace(
+        "    model: policy\n",
+        "    model: policy\n    image: my-agent:1\n    resources: {cpus: 1, memory: 2g}\n",
+    )
+    found = {path: (line, rendered) for line, path, rendered in issues_of(text)}
+    assert set(found) == {"tasks.digits.image", "tasks.digits.resources.cpus",
+                          "tasks.digits.resources.memory"}
+    assert found["tasks.digits.image"][0] == 11
+    assert "only applies to runtime: docker" in found["tasks.digits.image"][1]
+    assert "my-agent:1" in found["tasks.digits.image"][1]
+    assert "not applied by runtime: process" in found["tasks.digits.resources.memory"][1]
+    docker = text.replace("    image: my-agent:1\n", "    image: my-agent:1\n    runtime: docker\n")
+    assert parse_recipe(docker, env={}).tasks["digits"].resources.memory == "2g"
+
+
+def test_two_models_in_one_checkpoint_folder_are_refused() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    checkpoint: {dir: /tmp/ck}\n"
+        "  critic:\n    model: builtin:tiny\n    checkpoint: {dir: /tmp/ck/}\n",
+    )
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (9, "models.critic.checkpoint.dir")
+    assert "is also models.policy.checkpoint.dir" in rendered
+    apart = text.replace("{dir: /tmp/ck/}", "{dir: /tmp/ck2}")
+    assert set(parse_recipe(apart, env={}).models) == {"policy", "critic"}
+
+
+def test_generation_threads_for_engine_vllm_is_refused() -> None:
+    text = GOOD.replace(
+        "    model: builtin:tiny\n",
+        "    model: builtin:tiny\n    engine: vllm\n    generation: {threads: 4}\n",
+    )
+    found = {path: (line, rendered) for line, path, rendered in issues_of(text)}
+    line, rendered = found["models.policy.generation.threads"]
+    assert line == 7 and "does not read it" in rendered
