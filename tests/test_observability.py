@@ -1,6 +1,8 @@
 """A short real run of builtin:tiny (`jetctl up --detach`) with `run.trackers: [tensorboard]`:
-`jetctl logs` merges every process's lines and `-f` follows the live run, and TensorBoard's
-event files hold the same reward series as the step log (jetctl.logs, jetctl.trackers)."""
+`jetctl logs` merges every process's lines and `-f` follows the live run, TensorBoard's
+event files hold the same reward series as the step log (jetctl.logs, jetctl.trackers), and
+every metric the Grafana dashboard (docs/grafana/jetctl.json) queries is on the live
+processes' /metrics."""
 
 from __future__ import annotations
 
@@ -9,11 +11,15 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from jetctl.rundir import RunPaths, read_json
+from tests.test_grafana import exported_metrics, queried_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -55,6 +61,18 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 class Run:
     dir: Path
     followed: list[str]  # what `jetctl logs -f --server policy --grep draining` printed
+    metrics: str  # the server's and the client node's /metrics pages, while live
+
+
+def scrape(rd: Path) -> str:
+    """/metrics of every server and client node of the live run."""
+    paths = RunPaths(rd)
+    found = [read_json(p) or {} for p in (*paths.servers.glob("*.json"),
+                                          *paths.nodes.glob("*.json"))]
+    pages = [urllib.request.urlopen(f"http://{f['metrics']}/metrics", timeout=10).read().decode()
+             for f in found if f.get("metrics")]
+    assert len(pages) == 2, found  # the server and the one client node
+    return "".join(pages)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +88,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         while len([s for s in _steps(rd) if s["stepped"]]) < 3:
             assert time.monotonic() < deadline, "fewer than 3 steps in 300 s"
             time.sleep(2)
+        metrics = scrape(rd)
         follow = subprocess.Popen(
             [sys.executable, "-m", "jetctl.cli.main", "logs", str(rd), "-f", "--server",
              "policy", "--grep", "draining"],
@@ -83,7 +102,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         followed = [follow.stdout.readline()]  # blocks until -f prints the new line
         follow.terminate()
         follow.wait(timeout=10)
-        yield Run(rd, followed)
+        yield Run(rd, followed, metrics)
     finally:
         jetctl("down", "--run-dir", str(rd), check=False)
 
@@ -115,3 +134,21 @@ def test_tensorboard_holds_the_runs_reward_series(run: Run) -> None:
                       for s in steps]
     assert len([s for s in steps if s["stepped"]]) >= 3
     assert [s["trackers/failures"] for s in steps] == [0.0] * len(steps)  # none failed
+
+
+def test_grafana_dashboard_queries_only_metrics_a_live_run_exports(run: Run) -> None:
+    missing = queried_metrics() - exported_metrics(run.metrics)
+    assert not missing, sorted(missing)
+    assert "jetctl_client_rollouts_total{" in run.metrics  # the node's page, with rollouts
+
+
+def test_jetctl_trace_finds_a_trained_trajectorys_step_and_checkpoint(run: Run) -> None:
+    from jetctl.view.stores import GroupFilter, RunView
+
+    view = RunView(run.dir)
+    (group,) = view.groups(GroupFilter(fate="trained", limit=1))
+    out = jetctl("trace", group.trajectory_ids[0], str(run.dir), "--json").stdout
+    lineage = json.loads(out)
+    assert lineage["step"] == group.step and lineage["node"] == "digits-0"
+    # the drain's checkpoint (or an earlier one) holds the step
+    assert lineage["checkpoint"] and int(lineage["checkpoint"].removeprefix("step-")) >= group.step

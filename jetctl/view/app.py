@@ -75,9 +75,6 @@ def make_app(run_dir: Path, token: str | None) -> FastAPI:
                 response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
             return response
 
-    def rows(f: GroupFilter) -> list[Any]:
-        return run.groups(f)
-
     def server_version(model: str) -> int | None:
         steps = run.steps(model)
         return int(steps[-1]["step"]) if steps else None
@@ -93,7 +90,7 @@ def make_app(run_dir: Path, token: str | None) -> FastAPI:
         f = _filter(model, task, fate, revision, reward_min, reward_max, version_min,
                     version_max, search, limit)
         views = [run.overview(m) for m in run.models()]
-        body = pages.overview(views, rows(f), f, run.tasks())
+        body = pages.overview(views, run.groups(f), f, run.tasks())
         return pages.page(f"jetctl view: {run.paths.root.name}", body)
 
     @app.get("/group/{model}/{group_id}", response_class=HTMLResponse)
@@ -107,7 +104,7 @@ def make_app(run_dir: Path, token: str | None) -> FastAPI:
 
     @app.get("/step/{model}/{step}", response_class=HTMLResponse)
     def step(model: str, step: int) -> str:
-        trained = rows(GroupFilter(model=model, step=step, limit=500))
+        trained = run.groups(GroupFilter(model=model, step=step, limit=500))
         return pages.page(f"{model} step {step}",
                           pages.step_page(model, step, run.step_row(model, step), trained))
 
@@ -127,7 +124,7 @@ def make_app(run_dir: Path, token: str | None) -> FastAPI:
                     version_max, search, limit)
         if step is not None:
             f = GroupFilter(**{**vars(f), "step": step})
-        return [g.json() for g in rows(f)]
+        return [g.json() for g in run.groups(f)]
 
     @app.get("/api/group/{model}/{group_id}")
     def api_group(model: str, group_id: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 def page(title: str, body: str) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><p><a href='/'>runs overview</a></p>"
+            f"<style>{STYLE}</style></head><body><p><a href='/'>overview</a></p>"
             f"<h1>{escape(title)}</h1>{body}<script>{REFRESH_JS}</script></body></html>")
 
 

@@ -235,6 +235,9 @@ class RunView:
 
     def __init__(self, run_dir: Path) -> None:
         self.paths = RunPaths(Path(run_dir))
+        self._recipe: Any | None = None
+        self._recipe_read = False
+        self._texts: dict[str, Texts] = {}
 
     # -- groups --------------------------------------------------------------------------
 
@@ -324,12 +327,13 @@ class RunView:
 
     def recipe(self) -> Any | None:
         """The run's recipe (jetctl.recipe.Recipe), or None when its file is gone."""
-        if not hasattr(self, "_recipe"):
+        if not self._recipe_read:
             from jetctl.recipe import RecipeError, load_recipe
 
+            self._recipe_read = True
             run = read_json(self.paths.run_json) or {}
             try:
-                self._recipe: Any | None = load_recipe(str(run.get("recipe", "")))
+                self._recipe = load_recipe(str(run.get("recipe", "")))
             except (RecipeError, OSError):
                 self._recipe = None
         return self._recipe
@@ -346,12 +350,11 @@ class RunView:
         return str(train.algorithm), list(algorithms.make(train).advantages(rewards))
 
     def texts(self, model: str) -> Texts:
-        cache: dict[str, Texts] = self.__dict__.setdefault("_texts", {})
-        if model not in cache:
+        if model not in self._texts:
             recipe = self.recipe()
             source = recipe.models[model].model if recipe and model in recipe.models else None
-            cache[model] = Texts(source)
-        return cache[model]
+            self._texts[model] = Texts(source)
+        return self._texts[model]
 
     # -- steps, overview -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from tests.view.conftest import ViewRun
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
+PAGE_LOAD_TIMEOUT_S = 90
 SCREENSHOT = Path(os.environ.get("JETCTL_VIEW_SCREENSHOT", "/tmp/view-group.png"))
 
 
@@ -36,7 +37,11 @@ def served(view_run: ViewRun) -> Iterator[str]:
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # a server still busy in a request under load
+            proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -47,6 +52,8 @@ def driver(served: str) -> Iterator[Any]:
             pytest.fail(f"the browser tier must run under CI: {problem}")
         pytest.skip(problem)
     browser = Browser(served)
+    # the first group page loads the run's tokenizer (transformers): slow on a busy machine
+    browser.driver.set_page_load_timeout(PAGE_LOAD_TIMEOUT_S)
     try:
         yield browser.driver
     finally:
