@@ -1,0 +1,171 @@
+"""`jetctl bench soak`: N groups through one real server (training on) from a node's real
+spool and delivery, with the figures of each window of groups: is a long run as cheap at its
+end as at its start?
+
+    out = run(groups=1_000_000)      # SoakResult: one SoakWindow per `window` groups acked
+
+A `jetctl server` (builtin:tiny, training on, `BenchServer`) and, in this process, what a node
+runs to deliver: a `Spool` on disk, a `SwarmTransport` and a `Delivery` (batches of 8 groups,
+BUSY and RESOURCE_EXHAUSTED honoured). The groups are scripted (`GroupMaker`, ~`group_bytes`
+each, fresh ids), not rolled out: the figures are of the server's and the spool's costs as
+they age, not of an agent's. Per window: Submit p50/p99 (from the delivery's acks), the
+latency of one Status call at the window's end, the server's RSS, the store's and the
+spool's bytes on disk (file + WAL). At the end: every group acked, and the store holds each
+once (nothing lost).
+
+Left out: the controller (no `jetctl up`: one server, one in-process node), rollouts and
+generation (the swarm's Generate path has `jetctl bench loop` and `bench ingest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jetctl.bench.ingest import GroupMaker
+from jetctl.bench.serve import BenchServer
+
+RECIPE = """
+run: {name: bench-soak}
+models:
+  policy:
+    model: builtin:tiny
+    finetune: full
+    train: {groups_per_step: 32, max_staleness: 1000000}
+    limits: {max_buffer_groups: 4096}
+tasks:
+  bench:
+    env: envs.digits:make_env
+    agent: agents.digits:agent
+    model: policy
+"""
+SPOOL_MAX_BYTES = 64 << 20  # the scripted node stops adding groups above this, as a node does
+BATCH_GROUPS = 8  # a node's groups per Submit (DeliveryOptions' default)
+
+
+@dataclass(frozen=True)
+class SoakWindow:
+    groups: int  # groups acked by the window's end
+    submit_p50_ms: float
+    submit_p99_ms: float
+    status_ms: float
+    server_rss_mib: float
+    store_bytes: int
+    spool_bytes: int
+    trained_groups: int  # by the window's end, from the Status above (training is on)
+
+
+@dataclass
+class SoakResult:
+    groups: int
+    group_bytes: int
+    seconds: float = 0.0
+    stored: int = 0  # rows in the server's store at the end
+    acked: int = 0  # groups the spool recorded an outcome for
+    windows: list[SoakWindow] = field(default_factory=list)
+
+    @property
+    def nothing_lost(self) -> bool:
+        return self.acked == self.groups and self.stored == self.groups
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["nothing_lost"] = self.nothing_lost
+        return out
+
+
+def _disk_bytes(path: Path) -> int:
+    """A sqlite file's bytes on disk with its WAL."""
+    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+
+
+def _stored(store: Path) -> int:
+    db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM groups").fetchone()[0])
+    finally:
+        db.close()
+
+
+async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int) -> SoakResult:
+    import grpc
+
+    from jetctl.auth import bearer
+    from jetctl.client.delivery import Delivery, DeliveryOptions
+    from jetctl.client.metrics import ClientMetrics, NodeStats
+    from jetctl.client.spool import Spool
+    from jetctl.client.transport import SwarmTransport
+    from jetctl.proto._gen import swarm_pb2 as pb
+    from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
+
+    maker = GroupMaker(group_bytes)
+    result = SoakResult(groups=groups, group_bytes=maker.size)
+    spool_path = server.run_dir / "spool" / "soak-0.sqlite"
+    spool = Spool(spool_path)
+    store = server.paths.store(server.model)
+    transport = SwarmTransport(server.model, server.token, run_dir=server.run_dir)
+    await transport.register("soak-0", "bench", "r0")
+    latencies: list[float] = []  # seconds per acked Submit, this window
+    acked = 0
+
+    def on_acked(seconds: float, n: int) -> None:
+        nonlocal acked
+        latencies.append(seconds)
+        acked += n
+
+    delivery = Delivery(spool, transport, NodeStats(), ClientMetrics(),
+                        options=DeliveryOptions(batch_groups=BATCH_GROUPS), on_acked=on_acked)
+    sender = asyncio.create_task(delivery.run())
+    channel = grpc.aio.insecure_channel(server.endpoint)
+    status = pb_grpc.SwarmStub(channel).Status
+    t0 = time.monotonic()
+    made, next_edge = 0, min(window, groups)
+    try:
+        while acked < groups:
+            while made < groups and spool.bytes() < SPOOL_MAX_BYTES and made - acked < 4096:
+                raw = maker.group()
+                g = pb.TrajectoryGroup.FromString(raw)
+                spool.put(g.id, raw, len(g.trajectories),
+                          trajectory_ids=[t.id for t in g.trajectories], model=server.model)
+                made += 1
+            delivery.wake()
+            await asyncio.sleep(0.005)
+            if acked >= next_edge:
+                ts = time.perf_counter()
+                reply = await status(pb.StatusRequest(), metadata=bearer(server.token),
+                                     timeout=30)
+                status_ms = (time.perf_counter() - ts) * 1000
+                ms = np.array(latencies or [0.0]) * 1000
+                result.windows.append(SoakWindow(
+                    groups=acked, submit_p50_ms=float(np.percentile(ms, 50)),
+                    submit_p99_ms=float(np.percentile(ms, 99)), status_ms=status_ms,
+                    server_rss_mib=server.rss_bytes() / (1 << 20),
+                    store_bytes=_disk_bytes(store), spool_bytes=_disk_bytes(spool_path),
+                    trained_groups=int(reply.trained_groups),
+                ))
+                latencies.clear()
+                next_edge = min(next_edge + window, groups)
+    finally:
+        delivery.stop()
+        await sender
+        await transport.close()
+        await channel.close()
+    result.seconds = time.monotonic() - t0
+    result.acked = sum(spool.counts().outcomes.values())
+    spool.close()
+    result.stored = _stored(store)
+    return result
+
+
+def run(groups: int = 1_000_000, window: int = 100_000, group_bytes: int = 1024) -> SoakResult:
+    """Push `groups` groups through a fresh server; one `SoakWindow` per `window` acked."""
+    if groups < 1 or window < 1:
+        raise ValueError(f"groups ({groups}) and window ({window}) must be at least 1")
+    with BenchServer(RECIPE, train=True) as server:
+        return asyncio.run(_soak(server, groups, window, group_bytes))
