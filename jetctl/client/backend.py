@@ -31,7 +31,7 @@ class GenerateParams:
     top_p: float
     stop_token_ids: list[int]
     request_id: str
-    seed: int = 0
+    seed: int | None = None  # the OpenAI seed; None: unseeded
 
 
 class Backend(Protocol):

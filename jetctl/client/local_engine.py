@@ -230,7 +230,7 @@ class LocalEngine:
             generator_kwargs: dict[str, Any] = {"do_sample": not greedy}
             if not greedy:
                 generator_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-            if params.seed:
+            if params.seed is not None:
                 torch.manual_seed(params.seed)
             with torch.no_grad():
                 out = model.generate(

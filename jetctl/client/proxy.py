@@ -397,6 +397,10 @@ class Proxy:
                 400, f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}"
             )
         seed = body.get("seed")
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**63
+        ):
+            raise ProxyError(400, f"seed must be a whole number in the int64 range, got {seed!r}")
         return GenerateParams(
             prompt_ids=prompt_ids,
             max_tokens=min(max_tokens, room),
@@ -404,7 +408,7 @@ class Proxy:
             top_p=top_p,
             stop_token_ids=served.renderer.eos_token_ids,
             request_id=uuid.uuid4().hex,
-            seed=int(seed) if isinstance(seed, int) else 0,
+            seed=seed,  # None: unseeded
         )
 
 

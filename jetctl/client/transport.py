@@ -512,7 +512,7 @@ class ServerBackend:
             top_p=params.top_p,
             stop_token_ids=params.stop_token_ids,
             request_id=params.request_id,
-            seed=params.seed,
+            seed=params.seed,  # None: the field stays absent (unseeded)
         )
         try:
             reply = await self.transport.generate(request)

@@ -160,6 +160,7 @@ class SwarmService:
                 temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
                 top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
                 stop_token_ids=tuple(req.stop_token_ids),
+                seed=req.seed if req.HasField("seed") else None,
             )
         )
         self.tokens_generated += len(result.completion_ids)

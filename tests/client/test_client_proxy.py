@@ -160,3 +160,26 @@ async def test_a_closed_rollout_cancels_its_generation_at_the_server(
         await asyncio.sleep(0.05)
     assert fake.generate_cancelled == 1
     await client.close()
+
+
+async def test_the_openai_seed_reaches_the_server_and_only_when_given(
+    stack: tuple[FakeSwarm, Proxy],
+) -> None:
+    """`seed` goes to the server on the wire (which honours it per request); a request
+    without one leaves the field absent (0 is a seed like any other); a seed that is not a
+    whole int64 is a 400."""
+    fake, proxy = stack
+    proxy.open("r5")
+    client = openai.AsyncOpenAI(base_url=proxy.base_url("r5"), api_key="x", max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    for seed in (0, 41):
+        await client.chat.completions.create(model="policy", messages=hi, seed=seed)  # type: ignore[arg-type]
+        req = fake.generate_calls[-1]
+        assert req.HasField("seed") and req.seed == seed
+    await client.chat.completions.create(model="policy", messages=hi)  # type: ignore[arg-type]
+    assert not fake.generate_calls[-1].HasField("seed")
+    for bad in (True, 2**63, 1.5):
+        with pytest.raises(openai.BadRequestError, match="seed must be a whole number"):
+            await client.chat.completions.create(
+                model="policy", messages=hi, extra_body={"seed": bad})  # type: ignore[arg-type]
+    await client.close()

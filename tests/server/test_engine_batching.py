@@ -385,3 +385,27 @@ async def test_a_waiting_optimizer_step_gets_the_weights_under_steady_load() -> 
     assert versions[:4] == [0, 0, 0, 0] and versions[-1] == 1
     assert versions == sorted(versions)  # every request after the step got the new version
 
+
+
+def test_a_seeded_request_draws_from_its_own_stream() -> None:
+    """The OpenAI `seed`, honoured per request: a seeded reply is the same whatever else
+    shares its batch and whatever torch's shared stream holds; another seed differs; and
+    unseeded requests still sample freely."""
+
+    def seeded(seed: int | None) -> GenRequest:
+        return GenRequest([5, 6, 7, 8], max_tokens=8, temperature=1.0, top_p=1.0, seed=seed)
+
+    async def body(e: Engine) -> None:
+        torch.manual_seed(0)
+        together = await asyncio.gather(
+            e.generate(seeded(7)), e.generate(seeded(7)), e.generate(seeded(8)),
+            *(e.generate(request(i, max_tokens=8)) for i in range(3)),
+        )
+        torch.manual_seed(123)
+        alone = await e.generate(seeded(7))
+        assert together[0].completion_ids == together[1].completion_ids == alone.completion_ids
+        assert together[2].completion_ids != together[0].completion_ids
+        free = [await e.generate(seeded(None)) for _ in range(3)]
+        assert len({tuple(r.completion_ids) for r in free}) > 1
+
+    asyncio.run(serve([], body))

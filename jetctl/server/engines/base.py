@@ -32,6 +32,7 @@ class GenRequest:
     temperature: float  # 0: greedy
     top_p: float
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # the request's own sampling stream (the OpenAI seed); None: shared
 
 
 @dataclass

@@ -193,8 +193,8 @@ class ContinuousEngine:
 
     async def generate(self, req: GenRequest) -> GenResult:
         assert self._manager is not None and self._loop is not None, "engine not started"
-        if req.temperature != 1.0 or req.top_p != 1.0:
-            return await self.fallback.generate(req)
+        if req.temperature != 1.0 or req.top_p != 1.0 or req.seed is not None:
+            return await self.fallback.generate(req)  # its sampling, per-request seeds included
         while not self._gate.try_admit():  # a publish is draining or copying
             if self._stopped:
                 raise RuntimeError("engine stopped")

@@ -29,7 +29,10 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   or weight snapshot) waits for the lock, the worker admits nobody new, finishes the
   replies in flight and lets go; queued requests start at the next version.
 * **Per-request sampling.** Temperature (0: greedy) and top_p are applied per row, so one
-  batch serves every sampling setting. Logprobs are of the untempered policy (log_softmax
+  batch serves every sampling setting. A request with a seed (the OpenAI `seed`) draws its
+  tokens from a generator of its own, so its reply does not depend on what else shares
+  the batch or on torch's shared stream (the logits can still differ in the last bits
+  with the batch's other rows). Logprobs are of the untempered policy (log_softmax
   of the raw logits) at each sampled token: at temperature 1 the behaviour logprobs
   PPO-clip needs.
 * **Its own CPU threads** (`generation.threads`): generation and the trainer's
@@ -122,6 +125,7 @@ class _Row:
     stops: frozenset[int]
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None  # a seeded request's own sampling stream
 
 
 @dataclass
@@ -359,7 +363,9 @@ class HFEngine:
         state.merge([_must(ready[k]) for k in keys], self.device)
         for p in admitted:
             stops = frozenset(self.eos_token_ids) | frozenset(p.req.stop_token_ids)
-            self._rows.append(_Row(p, stops))
+            seed = p.req.seed
+            generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+            self._rows.append(_Row(p, stops, generator=generator))
 
     def _prefill(self, plans: list[_Plan]) -> list[_Prefilled]:
         """One forward over the prompts' uncached suffixes, each on top of its cached prefix;
@@ -406,7 +412,8 @@ class HFEngine:
         logits = state.logits  # [B, V], the prediction for each row's next token
         assert logits is not None
         logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = self._sample(logits, [r.pending.req for r in rows])  # [B]
+        tokens = self._sample(logits, [r.pending.req for r in rows],
+                              [r.generator for r in rows])  # [B]
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
         keep: list[int] = []
         done: list[tuple[_Row, GenResult]] = []
@@ -455,8 +462,12 @@ class HFEngine:
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> torch.Tensor:
-        """Per-row temperature and top_p; greedy rows take the argmax."""
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[GenRequest],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """Per-row temperature and top_p; greedy rows take the argmax. A row with a
+        generator (a seeded request) draws from it, the others from torch's shared stream."""
         temps = torch.tensor([r.temperature for r in reqs], device=logits.device)
         greedy = logits.argmax(dim=-1)
         if bool((temps <= 0).all()):
@@ -471,7 +482,11 @@ class HFEngine:
             drop = before >= top_p.unsqueeze(-1)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-        sampled = torch.multinomial(scaled.softmax(dim=-1), 1).squeeze(-1)
+        probs = scaled.softmax(dim=-1)
+        sampled = torch.multinomial(probs, 1).squeeze(-1)
+        for i, generator in enumerate(generators or ()):
+            if generator is not None:
+                sampled[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
         return torch.where(temps > 0, sampled, greedy)
 
     def _drop_cancelled(self, state: _BatchState) -> None:

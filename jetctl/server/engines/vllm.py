@@ -192,7 +192,7 @@ class VLLMEngine:
         params = SamplingParams(
             n=1, temperature=req.temperature, top_p=req.top_p,
             max_tokens=max(req.max_tokens, 1), stop_token_ids=sorted(stops), logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, seed=req.seed,
         )
         final = None
         try:
