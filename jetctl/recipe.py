@@ -195,7 +195,10 @@ class TrainConfig(_Strict):
         "leaves, at least one)",
     )
     max_steps: int | None = Field(
-        default=None, ge=1, description="stop training after this many steps (null: no limit)"
+        default=None, ge=1,
+        description="stop training after this many steps (null: no limit); the server "
+        "checkpoints and exits, the client nodes of the tasks that train this model drain, "
+        "and the run ends when every model is done",
     )
     mix: dict[str, float] = Field(
         default={},

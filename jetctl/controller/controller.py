@@ -7,7 +7,8 @@ model on a port it picks (and reuses on restart), waits until each server wrote
 current and serves the `Control` gRPC service (`jetctl status`, `jetctl down`, `jetctl
 swap-clients`). It stops when `run.duration_s` elapsed, when every model reached
 `train.max_steps`, or on Down / SIGINT / SIGTERM: clients drain first, then servers (they
-checkpoint), then it exits. Killing the controller leaves the nodes running;
+checkpoint), then it exits. A task whose model reached `train.max_steps` while another
+model still trains has its client nodes drained on their own (`_retire_finished_tasks`). Killing the controller leaves the nodes running;
 `Controller(..., resume=True)` adopts them again from the runtime's records (pid files,
 container labels).
 
@@ -111,6 +112,7 @@ class Controller:
         self._stop_grace: float | None = None
         self._grpc: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
+        self._retired_tasks: set[str] = set()  # tasks whose model finished (train.max_steps)
         self._plot_thread: threading.Thread | None = None
         self._plot_signature: tuple[tuple[str, float, int], ...] = ()
 
@@ -211,6 +213,7 @@ class Controller:
                 if reason:
                     self.request_stop(reason)
                     break
+                self._retire_finished_tasks()
                 self.state.write_run_json()
                 self.state.write_node_files()
                 if time.monotonic() >= next_plot:
@@ -331,6 +334,30 @@ class Controller:
         )
 
     # -- stop conditions ----------------------------------------------------------------
+
+    def _retire_finished_tasks(self) -> None:
+        """A task that trains a model which reached `train.max_steps` (a team: any of its
+        models, whose calls would go to a server that stopped) has nothing left to train:
+        its client nodes drain, once, in a thread of their own, and stay down. The run goes
+        on while another model trains."""
+        for name, task in self.recipe.tasks.items():
+            if name in self._retired_tasks:
+                continue
+            done = [m for m in task.models if self.state.reached_max_steps(m)]
+            if not done:
+                continue
+            self._retired_tasks.add(name)
+            with self.state.lock:
+                nodes = [n for n in self.state.nodes.values()
+                         if n.kind == "client" and n.task == name and n.state != "exited"]
+            log.info("task %s: %s reached train.max_steps; draining its %d client node(s)",
+                     name, ", ".join(done), len(nodes))
+            drain = threading.Thread(
+                target=self.reconciler.drain_nodes, args=(nodes, self.opts.grace_s, "client"),
+                name=f"retire-{name}", daemon=True,
+            )
+            drain.start()
+            self._threads.append(drain)
 
     def _finished_reason(self) -> str:
         duration = self.recipe.run.duration_s

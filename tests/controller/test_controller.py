@@ -178,6 +178,31 @@ def test_max_steps_stops_the_run_and_writes_the_reward_curve(make_controller, ru
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_model_done_at_max_steps_retires_its_task_while_another_model_trains(
+    make_controller,
+) -> None:
+    """train.max_steps of one model of two: the task that trains it drains its client nodes,
+    which stay down (their calls would go to a server that stopped); the other model's task
+    keeps its node and the run goes on."""
+    data = recipe_dict(clients=1)
+    data["models"]["critic"] = {"model": "builtin:tiny"}
+    data["models"]["policy"]["train"] = {"max_steps": 5}
+    data["tasks"]["judge"] = {"env": "envs.fake:make_env", "agent": "agents.fake:agent",
+                              "model": "critic", "clients": 1}
+    r = make_controller(data).start()
+    wait_for(lambda: node_states(r.ctl).get("judge-0") == "running", timeout_s=40,
+             what="the critic's task running")
+    wait_for(lambda: node_states(r.ctl).get("arith-0") == "exited", timeout_s=40,
+             what="the policy's task drained at max_steps")
+    time.sleep(1.0)  # many ticks later: not restarted, and nothing else stopped
+    states = node_states(r.ctl)
+    assert states["arith-0"] == "exited" and states["judge-0"] == "running"
+    assert not r.result and r.thread.is_alive()
+    r.ctl.request_stop("test over")
+    r.thread.join(timeout=40)
+    assert r.result == ["test over"]
+
+
 RUN_CONTROLLER = """
 import sys
 sys.path.insert(0, {tests!r})
