@@ -91,9 +91,10 @@ class _Strict(BaseModel):
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def checkpoint_url_problem(url: str) -> str:
+def checkpoint_url_problem(url: str, packages: bool = True) -> str:
     """Why `checkpoint.dir` cannot be written ('' when it can): an fsspec URL whose scheme is
-    unknown or whose filesystem package is missing, or one that would not outlive the server."""
+    unknown or whose filesystem package is missing (`packages`: on this host), or one that
+    would not outlive the server."""
     if "://" not in url:
         return ""  # a local folder
     scheme = url.split("://", 1)[0]
@@ -109,8 +110,31 @@ def checkpoint_url_problem(url: str) -> str:
     except ValueError:
         return f"unknown filesystem {scheme!r}: use a folder or an fsspec URL (file://, s3://, ...)"
     except ImportError as err:
+        if not packages:
+            return ""
         return f"the {scheme}:// filesystem needs a package that is not installed ({err}); or use a folder"
     return ""
+
+
+def server_host_problems(cfg: ModelConfig) -> list[Problem]:
+    """What the host that runs this model's server must have installed: checked by
+    `jetctl validate` and `up` for a server they start here (runtime: process), and by the
+    server itself when it starts elsewhere (runtime: ray or external), on its own host."""
+    problems: list[Problem] = []
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            Problem(
+                ("engine",),
+                cfg.engine,
+                "needs the vllm package, which is not importable on the server's host: run "
+                "`pip install vllm` on a CUDA machine, or use engine: hf",
+            )
+        )
+    if cfg.checkpoint.dir is not None:
+        problem = checkpoint_url_problem(cfg.checkpoint.dir)
+        if problem:
+            problems.append(Problem(("checkpoint", "dir"), cfg.checkpoint.dir, problem))
+    return problems
 
 
 class LoraConfig(_Strict):
@@ -240,7 +264,7 @@ class CheckpointConfig(_Strict):
     @classmethod
     def _known_filesystem(cls, value: str | None) -> str | None:
         if value is not None:
-            problem = checkpoint_url_problem(value)
+            problem = checkpoint_url_problem(value, packages=False)  # server_host_problems
             if problem:
                 raise ValueError(problem)
         return value
@@ -409,15 +433,8 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         problems: list[Problem] = []
-        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            problems.append(
-                Problem(
-                    ("engine",),
-                    self.engine,
-                    "needs the vllm package, which is not importable here: run "
-                    "`pip install vllm` on a CUDA machine, or use engine: hf",
-                )
-            )
+        if self.runtime == "process":  # else the server checks on its own host as it starts
+            problems += server_host_problems(self)
         if self.engine == "vllm" and self.generation.dtype not in (None, "auto", self.dtype):
             problems.append(
                 Problem(

@@ -481,3 +481,27 @@ def test_generation_threads_for_engine_vllm_is_refused() -> None:
     found = {path: (line, rendered) for line, path, rendered in issues_of(text)}
     line, rendered = found["models.policy.generation.threads"]
     assert line == 7 and "does not read it" in rendered
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed here")
+def test_what_a_server_elsewhere_needs_is_checked_where_it_runs() -> None:
+    """engine: vllm and an s3:// checkpoint folder need packages on the server's host. A
+    server the controller starts here is checked here (above); one that runs elsewhere
+    (runtime: external or ray) is not refused for this host's packages, and the server
+    itself refuses to start, naming the key, where they are missing."""
+    from jetctl.server.app import check_devices
+
+    body = "    model: builtin:tiny\n    engine: vllm\n    runtime: external\n"
+    if importlib.util.find_spec("s3fs") is None:
+        body += "    checkpoint: {dir: 's3://bucket/run'}\n"
+    recipe = parse_recipe(GOOD.replace("    model: builtin:tiny\n", body), env={})
+    cfg = recipe.models["policy"]
+    with pytest.raises(SystemExit) as stopped:
+        check_devices("policy", cfg)
+    message = str(stopped.value)
+    assert message.startswith("models.policy.engine: 'vllm' needs the vllm package")
+    assert "checked on this host, where the server runs" in message
+    if "s3://" in body:
+        cfg = cfg.model_copy(update={"engine": "hf"})
+        with pytest.raises(SystemExit, match=r"models.policy.checkpoint.dir: 's3://bucket/run'"):
+            check_devices("policy", cfg)

@@ -287,8 +287,17 @@ async def serve(opts: ServerOptions) -> int:
 
 
 def check_devices(name: str, cfg: ModelConfig) -> None:
-    """A CUDA device the recipe names must exist here: one line that says so, not a traceback."""
+    """A CUDA device the recipe names must exist here, and the packages its engine and
+    checkpoint folder need must be installed here: one line that says so, not a traceback
+    (a server on another host than the controller's is checked here, where it runs)."""
     import torch
+
+    from jetctl.recipe import server_host_problems
+
+    for problem in server_host_problems(cfg):
+        key = ".".join(str(k) for k in problem.loc)
+        raise SystemExit(f"models.{name}.{key}: {problem.value!r} {problem.message} "
+                         "(checked on this host, where the server runs)")
 
     for key, device in (("device", cfg.device), ("generation.device", cfg.generation.device)):
         if device is None or not device.startswith("cuda"):
