@@ -556,6 +556,10 @@ class ResourcesConfig(_Strict):
         return value
 
 
+# what `jetctl images build` makes (jetctl/images.py): client images without torch
+SHIPPED_IMAGES = frozenset({"jetctl-base", "jetctl-web", "jetctl-code", "jetctl-api"})
+
+
 class TaskConfig(_Strict):
     env: str = Field(description="module:factory of the environment, e.g. envs.arithmetic:make_env")
     agent: str = Field(description="module:function of the agent, e.g. agents.arithmetic:agent")
@@ -738,6 +742,16 @@ class TaskConfig(_Strict):
                         "reservations, or remove it",
                     )
                 )
+        shipped = self.image is None or self.image.split(":")[0] in SHIPPED_IMAGES
+        if self.inference == "local" and self.runtime == "docker" and shipped:
+            problems.append(
+                Problem(
+                    ("inference",), self.inference,
+                    f"needs torch in the nodes' image, and {self.image or 'jetctl-base'} (like "
+                    "every image `jetctl images build` makes) has none: use inference: server, "
+                    "or an image of your own built FROM jetctl-base with torch installed",
+                )
+            )
         if self.image is not None and self.runtime != "docker":
             problems.append(
                 Problem(

@@ -505,3 +505,18 @@ def test_what_a_server_elsewhere_needs_is_checked_where_it_runs() -> None:
         cfg = cfg.model_copy(update={"engine": "hf"})
         with pytest.raises(SystemExit, match=r"models.policy.checkpoint.dir: 's3://bucket/run'"):
             check_devices("policy", cfg)
+
+
+def test_local_inference_in_a_shipped_image_without_torch_is_refused() -> None:
+    text = GOOD.replace(
+        "    model: policy\n",
+        "    model: policy\n    runtime: docker\n    inference: local\n",
+    )
+    [(line, path, rendered)] = issues_of(text)
+    assert (line, path) == (12, "tasks.digits.inference")
+    assert "jetctl-base" in rendered and "has none" in rendered
+    web = text.replace("    runtime: docker\n", "    runtime: docker\n    image: jetctl-web:latest\n")
+    [(_, _, rendered)] = issues_of(web)
+    assert "jetctl-web:latest" in rendered
+    own = text.replace("    runtime: docker\n", "    runtime: docker\n    image: my-torch-node\n")
+    assert parse_recipe(own, env={}).tasks["digits"].inference == "local"
