@@ -7,7 +7,8 @@ end as at its start?
 A `jetctl server` (builtin:tiny, training on, `BenchServer`) and, in this process, what a node
 runs to deliver: a `Spool` on disk, a `SwarmTransport` and a `Delivery` (batches of 8 groups,
 BUSY and RESOURCE_EXHAUSTED honoured). The groups are scripted (`GroupMaker`, ~`group_bytes`
-each, fresh ids), not rolled out: the figures are of the server's and the spool's costs as
+each, fresh ids, one trajectory rewarded 1.0 and the others 0.5, so each has a learning
+signal and the server takes optimizer steps on it), not rolled out: the figures are of the server's and the spool's costs as
 they age, not of an agent's. Per window: Submit p50/p99 (from the delivery's acks), the
 latency of one Status call at the window's end, the server's RSS, the store's and the
 spool's bytes on disk (file + WAL). At the end: every group acked, and the store holds each
@@ -129,8 +130,9 @@ async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int)
     try:
         while acked < groups:
             while made < groups and spool.bytes() < SPOOL_MAX_BYTES and made - acked < 4096:
-                raw = maker.group()
-                g = pb.TrajectoryGroup.FromString(raw)
+                g = pb.TrajectoryGroup.FromString(maker.group())
+                g.trajectories[0].reward = 1.0  # rewards differ: a group with signal, trained
+                raw = g.SerializeToString()
                 spool.put(g.id, raw, len(g.trajectories),
                           trajectory_ids=[t.id for t in g.trajectories], model=server.model)
                 made += 1
