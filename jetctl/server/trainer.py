@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ class Trainer:
         self.error: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
         self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
-        self._skipped: list[StoredGroup] = []  # consumed without signal since the last step
+        self._skipped: list[Skipped] = []  # consumed without signal since the last step
         self._gather_since: float | None = None
         mix = cfg.train.mix
         self.mix = (
@@ -203,7 +204,9 @@ class Trainer:
             self.figures.stale_at_batch += sum(len(s.group.trajectories) for s in stale)
         if flat:  # consumed at this version without a step (the ledger's `trained`)
             self.store.mark_trained([s.group.id for s in flat], self.version)
-            self._skipped += flat
+            # what the next step's row needs of them, not the groups (a run whose groups all
+            # lack signal takes no step: holding the groups grew the server ~18 KB a group)
+            self._skipped += [Skipped.of(s) for s in flat]
             self.figures.skipped_groups += len(flat)
             self.figures.trained_groups += len(flat)
             self.figures.trained_trajectories += sum(len(s.group.trajectories) for s in flat)
@@ -284,7 +287,7 @@ class Trainer:
             self.store.give_back(ready)
 
     def _train(
-        self, batch: list[StoredGroup], wait_s: float, skipped: list[StoredGroup] | None = None,
+        self, batch: list[StoredGroup], wait_s: float, skipped: list[Skipped] | None = None,
     ) -> dict[str, float]:
         t0 = time.monotonic()
         cpu0 = time.thread_time()  # the trainer thread's CPU: the step's train seconds
@@ -321,7 +324,7 @@ class Trainer:
         f.tokens_trained += int(scalars.get("num_tokens", 0))
         rewards = [t.reward for s in batch for t in s.group.trajectories]  # trained on
         # the rollouts' reward: every group consumed for this step, skipped ones included
-        consumed = rewards + [t.reward for s in skipped for t in s.group.trajectories]
+        consumed = rewards + [r for s in skipped for r in s.rewards]
         f.recent_rewards = (f.recent_rewards + consumed)[-256:]
         mean = sum(consumed) / len(consumed)
         std = (sum((r - mean) ** 2 for r in consumed) / len(consumed)) ** 0.5
@@ -337,7 +340,7 @@ class Trainer:
                 "reward/trained_mean": sum(rewards) / len(rewards),
                 "frac_reward_zero_std": (zero_std + len(skipped)) / (len(batch) + len(skipped)),
                 "groups/skipped": float(len(skipped)),
-                "trajectories/skipped": float(sum(len(s.group.trajectories) for s in skipped)),
+                "trajectories/skipped": float(sum(len(s.rewards) for s in skipped)),
                 "signal/no_signal_recent": no_signal,
                 "signal/collapsed": float(signal == "collapsed"),
                 "groups": float(len(batch)),
@@ -440,18 +443,36 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: ModelConfig) -> torch.
     return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """What a step's row needs of a group consumed without signal since the last step."""
+
+    task: str
+    rewards: tuple[float, ...]
+    completion_tokens: int
+
+    @classmethod
+    def of(cls, s: StoredGroup) -> Skipped:
+        return cls(
+            s.group.task, tuple(t.reward for t in s.group.trajectories),
+            sum(len(c.completion_ids) for t in s.group.trajectories for c in t.calls),
+        )
+
+
 def _tokens_by_task(
-    batch: list[StoredGroup], skipped: list[StoredGroup],
+    batch: list[StoredGroup], skipped: list[Skipped],
 ) -> dict[str, tuple[int, int]]:
     """task -> (completion tokens generated, of them trained) over the groups this step
     consumed: every one was generated, the batch's were trained on (skipped ones carry no
     signal). One pass over each group's calls (already decoded for the step)."""
     out: dict[str, tuple[int, int]] = {}
-    for trained, groups in ((True, batch), (False, skipped)):
-        for s in groups:
-            n = sum(len(c.completion_ids) for t in s.group.trajectories for c in t.calls)
-            g, t = out.get(s.group.task, (0, 0))
-            out[s.group.task] = (g + n, t + (n if trained else 0))
+    for s in batch:
+        n = sum(len(c.completion_ids) for t in s.group.trajectories for c in t.calls)
+        g, t = out.get(s.group.task, (0, 0))
+        out[s.group.task] = (g + n, t + n)
+    for k in skipped:
+        g, t = out.get(k.task, (0, 0))
+        out[k.task] = (g + k.completion_tokens, t)
     return out
 
 
