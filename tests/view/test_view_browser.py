@@ -68,13 +68,18 @@ def rows(driver: Any) -> list[Any]:
 
 def test_explorer_in_chromium(driver: Any, served: str, view_run: ViewRun) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    def arrive(part: str) -> None:
+        """A click navigates after it returns: wait for the new page's URL."""
+        WebDriverWait(driver, 20).until(lambda d: part in d.current_url)
 
     driver.get(served)
     assert driver.title.startswith("jetctl view") and len(rows(driver)) == 5
     assert driver.find_elements(By.CSS_SELECTOR, "svg.reward-curve circle")  # the curve drawn
 
     driver.find_element(By.LINK_TEXT, view_run.trained.id).click()
+    arrive(view_run.trained.id)
     members = driver.find_elements(By.CSS_SELECTOR, ".member")
     tokens = [len(m.find_elements(By.CSS_SELECTOR, "span.tok")) for m in members]
     assert tokens == [5, 2]  # 2 + 3 completion tokens over two turns; 2 in one
@@ -85,12 +90,13 @@ def test_explorer_in_chromium(driver: Any, served: str, view_run: ViewRun) -> No
     driver.get(served)
     Select(driver.find_element(By.ID, "fate")).select_by_value("stale")
     driver.find_element(By.ID, "apply").click()
-    assert "fate=stale" in driver.current_url
+    arrive("fate=stale")
     (only,) = rows(driver)
     assert view_run.stale.id in only.text and "refused as stale" in only.text
 
     driver.get(f"{served.rstrip('/')}/trace/{view_run.trained.trajectories[0].id}")
     driver.find_element(By.CSS_SELECTOR, "a.step-link").click()
+    arrive("/step/")
     assert driver.current_url.endswith("/step/policy/2")
     assert driver.find_element(By.TAG_NAME, "h1").text == "policy step 2"
     (trained,) = rows(driver)
