@@ -3,6 +3,7 @@
     jetctl replay RUN_DIR --model M --step N       # the run's own store and checkpoints
     jetctl bundle RUN_DIR --model M --step N --out step-N.tar
     jetctl replay step-N.tar                        # anywhere with the base model
+    jetctl up RECIPE --replay-from RUN_DIR          # every step again (jetctl/rerun.py)
 
 A step row of `metrics/<model>.steps.jsonl` records the ids of the groups trained, in the
 order they were trained (`replay/group_ids`), the trainer's torch threads (`replay/threads`:
@@ -24,9 +25,15 @@ A bundle (`FORMAT`, docs/architecture.md "Replaying a step") holds step N's grou
 were stored, the weights and optimizer state before it, the model's recipe section and the
 code revision: a step replays from it without the run dir.
 
-Left out: steps whose groups the store already dropped (it keeps a group's payload only until
-the checkpoint after its step; `forget_payloads`), so only steps after the newest checkpoint
-replay from a run dir; bundle them while they are there. `lora.dropout > 0` draws from the RNG
+Which steps of a run dir replay, running or finished: those whose groups the store still
+holds, and those of every step between them and the checkpoint they start from. The server
+drops a trained group's tokens at a checkpoint (`forget_payloads`) as
+`checkpoint.keep_trained_groups` says: by default once `checkpoint.keep` checkpoints are
+newer than its step, so every step after the oldest checkpoint kept replays; `all` keeps
+every group, and every step of the run replays (from the seeded start, if need be). A step
+whose groups were dropped is refused with the setting that keeps them.
+
+Left out: `lora.dropout > 0` draws from the RNG
 the engine shares while sampling, so such a run does not replay. Full fine-tuning records no
 weights digest (too big to hash each step): loss and grad norm are compared alone. The env's
 and tools' I/O of each rollout is not in a bundle (the client's spool has it).
@@ -140,11 +147,31 @@ def stored_groups(store_path: Path, record: StepRecord) -> list[bytes]:
     missing = [gid for gid, p in found.items() if p is None]
     if missing:
         raise ReplayError(
-            f"step {record.step}: the store no longer holds {len(missing)} of its groups "
-            f"({missing[0]}, ...): it drops a group's data at the checkpoint after its step, "
-            "so only steps after the newest checkpoint replay (bundle a step while it is there)"
+            f"step {record.step}: the store no longer holds the tokens of {len(missing)} of "
+            f"its {len(found)} groups ({missing[0]}, ...): the server dropped them at a "
+            "checkpoint, as the model's checkpoint.keep_trained_groups says (default: as "
+            "many checkpoints as checkpoint.keep); set keep_trained_groups: all in the "
+            "model's checkpoint: section so that every step of a run replays, or bundle a "
+            "step while its groups are there"
         )
     return [p for p in found.values() if p is not None]
+
+
+def dropped_steps(store_path: Path, records: dict[int, StepRecord], steps: range) -> list[int]:
+    """The steps of `steps` some of whose groups' tokens the store no longer holds (or
+    never held): what a re-train from the record cannot take again."""
+    ids = sorted({gid for s in steps for gid in records[s].group_ids})
+    kept: set[str] = set()
+    db = sqlite3.connect(f"file:{store_path}?mode=ro", uri=True)
+    try:
+        for start in range(0, len(ids), 500):  # well under sqlite's bound on parameters
+            chunk = ids[start : start + 500]
+            kept.update(gid for (gid,) in db.execute(
+                f"SELECT id FROM groups WHERE payload IS NOT NULL AND id IN "
+                f"({','.join('?' * len(chunk))})", chunk))
+    finally:
+        db.close()
+    return [s for s in steps if not kept.issuperset(records[s].group_ids)]
 
 
 def _read_payloads(path: Path, group_ids: Collection[str]) -> dict[str, bytes | None]:
@@ -251,7 +278,7 @@ def rebuild_before(
     if step not in records:
         known = sorted(records)
         raise ReplayError(f"no recorded step {step} (recorded steps: "
-                          f"{_spans(known) if known else 'none'})")
+                          f"{spans(known) if known else 'none'})")
     replayer = Replayer(cfg)
     start = replayer.restore(checkpoint_root, at_most=step - 1)
     for s in range(start + 1, step):
@@ -275,7 +302,7 @@ def replay_run_step(
     return Comparison(record, replayed)
 
 
-def _spans(steps: list[int]) -> str:
+def spans(steps: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
     out: list[str] = []
     for s in steps:

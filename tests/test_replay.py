@@ -1,15 +1,18 @@
 """`jetctl replay` and step bundles on a real trainer (builtin:tiny, LoRA, a real store and
-real checkpoints): a replayed step is bitwise the recorded one; a changed stored token is not."""
+real checkpoints): a replayed step is bitwise the recorded one, during the run and after it
+ended (as far as `checkpoint.keep_trained_groups` kept its groups); a changed stored token is
+not."""
 
 from __future__ import annotations
 
+import random
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from jetctl.proto._gen import swarm_pb2
-from jetctl.recipe import CheckpointConfig
+from jetctl.recipe import CheckpointConfig, RecipeError, parse_recipe
 from jetctl.replay import ReplayError, read_records, replay_bundle, replay_run_step, write_bundle
 from jetctl.server.step import load_trainable
 from jetctl.server.trainer import Trainer
@@ -18,9 +21,11 @@ from tests.server.trainer_support import config, make_trainer, step, submit
 pytestmark = pytest.mark.unit
 
 
-def _run(tmp_path: Path, steps: int, every_steps: int = 1000) -> Trainer:
+def _run(tmp_path: Path, steps: int, every_steps: int = 1000, keep: int = 5,
+         keep_trained_groups: int | str | None = None) -> Trainer:
     """A short real training run: one group per step, rewards that always carry signal."""
-    cfg = config(finetune="lora", checkpoint=CheckpointConfig(every_steps=every_steps, keep=5))
+    cfg = config(finetune="lora", checkpoint=CheckpointConfig(
+        every_steps=every_steps, keep=keep, keep_trained_groups=keep_trained_groups))
     model, _ = load_trainable(cfg)  # the server's attention kernel, as replay loads it
     trainer = make_trainer(tmp_path, cfg, model=model)
     for i in range(steps):
@@ -30,43 +35,81 @@ def _run(tmp_path: Path, steps: int, every_steps: int = 1000) -> Trainer:
     return trainer
 
 
+def _end(trainer: Trainer) -> None:
+    """The run ends as a server's does: its last checkpoint, then the store closed."""
+    trainer.stop()
+    trainer.store.close()
+
+
 def _replay(trainer: Trainer, tmp_path: Path, n: int):  # type: ignore[no-untyped-def]
     return replay_run_step(trainer.cfg, tmp_path / "store.sqlite", trainer.steps_log,
                            str(tmp_path / "checkpoints"), n)
 
 
-def test_three_steps_replay_bitwise_and_a_changed_token_is_reported(tmp_path: Path) -> None:
-    trainer = _run(tmp_path, steps=3)
-    records = read_records(trainer.steps_log)
-    assert sorted(records) == [1, 2, 3] and all(r.weights_sha256 for r in records.values())
-    for n in (1, 2, 3):  # step 3 retrains 1 and 2 from the seeded start first
-        c = _replay(trainer, tmp_path, n)
-        assert c.identical, c.differences
-        assert c.replayed.loss == records[n].loss
-
-    # one completion token of step 2's group changed in the store
-    gid = records[2].group_ids[0]
-    db = sqlite3.connect(tmp_path / "store.sqlite")
-    (payload,) = db.execute("SELECT payload FROM groups WHERE id=?", (gid,)).fetchone()
+def _change_a_token(store: Path, group_id: str) -> None:
+    """One completion token of a stored group changed, as a bad disk or a bad hand would."""
+    db = sqlite3.connect(store)
+    (payload,) = db.execute("SELECT payload FROM groups WHERE id=?", (group_id,)).fetchone()
     pb = swarm_pb2.TrajectoryGroup.FromString(payload)
     pb.trajectories[1].calls[0].completion_ids[0] += 1
-    db.execute("UPDATE groups SET payload=? WHERE id=?", (pb.SerializeToString(), gid))
+    db.execute("UPDATE groups SET payload=? WHERE id=?", (pb.SerializeToString(), group_id))
     db.commit()
     db.close()
-    changed = _replay(trainer, tmp_path, 2)
-    assert not changed.identical
+
+
+def test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported(
+    tmp_path: Path,
+) -> None:
+    # checkpoints at 2, 4, 6 and, as the run ends, 7: with keep_trained_groups: all no
+    # checkpoint drops a group, so any step replays after the end
+    trainer = _run(tmp_path, steps=7, every_steps=2, keep_trained_groups="all")
+    _end(trainer)
+    records = read_records(trainer.steps_log)
+    assert sorted(records) == list(range(1, 8)) and all(r.weights_sha256 for r in records.values())
+    seed = random.randrange(2**32)
+    chosen = sorted(random.Random(seed).sample(sorted(records), 3))
+    for n in chosen:  # each from the newest checkpoint before it, the steps between retrained
+        c = _replay(trainer, tmp_path, n)
+        assert c.identical, (seed, n, c.differences)
+        assert c.replayed.loss == records[n].loss
+
+    changed_step = chosen[1]
+    _change_a_token(tmp_path / "store.sqlite", records[changed_step].group_ids[0])
+    changed = _replay(trainer, tmp_path, changed_step)
+    assert not changed.identical, (seed, changed_step)
     assert any(d.startswith("loss:") for d in changed.differences)
-    assert _replay(trainer, tmp_path, 1).identical  # the steps before it are untouched
+    assert _replay(trainer, tmp_path, chosen[0]).identical  # the steps before it are untouched
+
+
+def test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay(tmp_path: Path) -> None:
+    # keep 2: checkpoints 2, 4, 6 and 7 at the end, 6 and 7 kept; the groups of steps up to 6
+    # are dropped, those of 7 stay, and 7 replays from checkpoint 6 after the run
+    trainer = _run(tmp_path, steps=7, every_steps=2, keep=2)
+    _end(trainer)
+    assert _replay(trainer, tmp_path, 7).identical
+    with pytest.raises(ReplayError, match="keep_trained_groups: all"):
+        _replay(trainer, tmp_path, 6)
 
 
 def test_replay_starts_from_the_checkpoint_before_the_step(tmp_path: Path) -> None:
-    trainer = _run(tmp_path, steps=5, every_steps=3)  # a checkpoint at 3; 1-3's data dropped
+    # a checkpoint at 3; with keep_trained_groups 1, 1-3's groups dropped at it
+    trainer = _run(tmp_path, steps=5, every_steps=3, keep_trained_groups=1)
     assert _replay(trainer, tmp_path, 4).identical
     assert _replay(trainer, tmp_path, 5).identical  # checkpoint 3, step 4 retrained, then 5
-    with pytest.raises(ReplayError, match="no longer holds"):
+    with pytest.raises(ReplayError, match="no longer holds the tokens of 1 of its 1 groups"):
         _replay(trainer, tmp_path, 2)
     with pytest.raises(ReplayError, match="no recorded step 9"):
         _replay(trainer, tmp_path, 9)
+
+
+def test_keeping_groups_beyond_the_checkpoints_kept_is_refused() -> None:
+    bad = RECIPE.replace("      max_staleness: 1\n", "      max_staleness: 1\n    checkpoint:\n"
+                         "      keep: 2\n      keep_trained_groups: 3\n")
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(bad, file="r.yaml", env={})
+    text = caught.value.render()
+    assert "r.yaml:14: models.policy.checkpoint.keep_trained_groups = 3:" in text, text
+    assert "is more than keep (2)" in text and "or use all" in text, text
 
 
 def test_a_bundle_replays_without_the_run(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
     jetctl up recipes/arith.yaml              # foreground, live view; Ctrl-C drains and exits
     jetctl up recipes/arith.yaml --detach     # background controller; returns once it is up
     jetctl up recipes/arith.yaml --resume     # adopt the nodes of a controller that died
+    jetctl up recipes/arith.yaml --replay-from runs/arith   # re-train from the record (jetctl/rerun.py)
     jetctl down [--run-dir D] [--grace S]     # drain clients, then servers; wait for the end
 
 The logic lives in `jetctl.controller`; this module parses flags and draws.
@@ -62,6 +63,10 @@ def up(
     resume: Annotated[bool, typer.Option("--resume", help="Adopt the nodes of an earlier controller.")] = False,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Default: the recipe's run.dir or runs/<run.name>.")] = None,
     grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
+    replay_from: Annotated[Path | None, typer.Option(
+        "--replay-from", help="Re-train from this run dir's recorded groups in the recorded "
+        "order (no clients, no generation) into --run-dir (default: RUN_DIR-replay); exit 1 "
+        "when a step differs from the record.")] = None,
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
     from jetctl.logs import install_json_log
@@ -69,6 +74,12 @@ def up(
     from jetctl.status import document, finished_summary, render_progress, render_summary
 
     rec = load_recipe_or_fail(recipe)
+    if replay_from is not None:
+        if detach or resume:
+            fail("--replay-from re-trains in the foreground, without nodes: drop --detach "
+                 "and --resume")
+        _replay_from(rec, recipe, replay_from, run_dir)
+        return
     rd = (run_dir or Path(rec.run_dir)).resolve()
     if detach:
         _detach(recipe, rd, resume, grace)
@@ -86,6 +97,33 @@ def up(
     loop.join()
     console.line()
     console.print(render_summary(finished_summary(rd)))
+
+
+def _replay_from(rec: Recipe, recipe: Path, source: Path, run_dir: Path | None) -> None:
+    """`up --replay-from`: the recorded steps taken again (jetctl/rerun.py), one line a step,
+    a verdict per model; exit 1 when a step differs from the record."""
+    from jetctl.models import quiet_model_libraries
+    from jetctl.replay import Comparison, ReplayError
+    from jetctl.rerun import default_out, retrain
+
+    if not source.is_dir():
+        fail(f"--replay-from {source}: not a run dir (pass the folder `jetctl up` made)")
+    out = (run_dir or default_out(source)).resolve()
+    quiet_model_libraries()
+
+    def said(model: str, c: Comparison) -> None:
+        verdict = "identical" if c.identical else "differs: " + "; ".join(c.differences)
+        typer.echo(f"{model} step {c.recorded.step}: loss {c.replayed.loss!r}, {verdict}")
+
+    try:
+        done = retrain(rec, recipe, source, out, on_step=said)
+    except ReplayError as exc:
+        fail(str(exc))
+    for r in done:
+        typer.echo(f"{r.model}: {r.steps} steps re-trained into {out} (weights sha256 "
+                   f"{r.weights_sha256[:16]}), {r.verdict}")
+    if not all(r.identical for r in done):
+        raise typer.Exit(1)
 
 
 def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:

@@ -227,6 +227,14 @@ def _candidates(root: str | os.PathLike[str]) -> list[str]:
     return [n for n in reversed(_Root(root).steps()) if not n.endswith(PARTIAL)]
 
 
+def versions(root: str | os.PathLike[str]) -> list[int]:
+    """Versions of the checkpoints under root that have a manifest, oldest first (not
+    verified: the trainer's retention of trained groups counts them after each save)."""
+    target = _Root(root)
+    return [_version_of(n) for n in target.steps()
+            if not n.endswith(PARTIAL) and target.fs.exists(target.join(n, MANIFEST))]
+
+
 def latest(root: str | os.PathLike[str]) -> str | None:
     """The newest checkpoint under root that passes `verify`, as a path of its filesystem."""
     target = _Root(root)

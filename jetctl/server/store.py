@@ -71,7 +71,7 @@ CREATE TABLE IF NOT EXISTS groups (
     reason TEXT NOT NULL DEFAULT '', -- free text for people; never parsed
     step INTEGER,                   -- the optimizer step that trained it
     received_at REAL NOT NULL,
-    payload BLOB,                   -- the TrajectoryGroup protobuf as received (dropped once trained)
+    payload BLOB,                   -- the TrajectoryGroup protobuf as received (dropped after training: forget_payloads)
     trajectory_ids TEXT NOT NULL DEFAULT '',  -- comma-separated, for the ledger
     revisions TEXT NOT NULL DEFAULT '', -- the trajectories' client_revision, comma-separated
     reward_sum REAL NOT NULL DEFAULT 0, -- sum of the trajectories' rewards (per-task figures)
@@ -623,7 +623,10 @@ class TrajectoryStore:
         """Drop payloads of groups trained at or before a completed checkpoint's step.
 
         Until then a trained group keeps its payload: a crash before the next checkpoint
-        loses those steps, and open() buffers such groups again.
+        loses those steps, and open() buffers such groups again. The trainer picks the
+        checkpoint by `checkpoint.keep_trained_groups`: the newest (1), an older one so that
+        `jetctl replay` can take the steps after it again, or none at all (all). A group's
+        row and facts (trajectory ids, rewards) stay whatever happens to its payload.
         """
         with self._db_lock:
             self._db.execute(

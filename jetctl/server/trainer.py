@@ -417,8 +417,20 @@ class Trainer:
             )
         self.figures.last_checkpoint_version = self.version
         self.figures.last_checkpoint_time = time.time()
-        self.store.forget_payloads(through_step=self.version)
+        self._forget_trained_groups()
         return path
+
+    def _forget_trained_groups(self) -> None:
+        """Drop the tokens of groups trained at or before the checkpoint that
+        `checkpoint.keep_trained_groups` counts back to (all: none dropped). The groups after
+        it replay from it (jetctl/replay.py); a restart needs those after the newest."""
+        n = self.cfg.checkpoint.trained_groups_checkpoints
+        if n is None:
+            return
+        # a newer checkpoint than this version is one a refused restore passed over
+        done = [v for v in ckpt.versions(self.checkpoint_dir) if v <= self.version]
+        if len(done) >= n:
+            self.store.forget_payloads(through_step=done[-n])
 
     def _log(self, scalars: dict[str, float], group_ids: list[str],
              by_task: dict[str, tuple[int, int]]) -> None:
