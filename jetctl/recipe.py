@@ -259,6 +259,15 @@ class CheckpointConfig(_Strict):
         description="folder or fsspec URL, e.g. s3://bucket/run (needs s3fs) or file:///path "
         "(null: <run dir>/checkpoints/<model>)",
     )
+    keep_trained_groups: Literal["all"] | int | None = Field(
+        default=None,
+        description="trained groups whose tokens the store keeps, so that `jetctl replay` and "
+        "`jetctl up --replay-from` can take their steps again: all (every step of the run "
+        "replays; the store grows with every group), or N in 1..keep: those of the steps "
+        "after the Nth newest checkpoint (1: only since the newest, which a restarted server "
+        "trains again anyway) (null: keep, so every step after the oldest checkpoint kept "
+        "replays, and the store holds about keep x every_steps steps of groups)",
+    )
 
     @field_validator("dir")
     @classmethod
@@ -268,6 +277,32 @@ class CheckpointConfig(_Strict):
             if problem:
                 raise ValueError(problem)
         return value
+
+    @model_validator(mode="after")
+    def _groups_kept_within_checkpoints(self) -> CheckpointConfig:
+        n = self.keep_trained_groups
+        if isinstance(n, int) and n < 1:
+            _raise_problems([Problem(
+                ("keep_trained_groups",), n,
+                "must be at least 1 (the groups trained since the newest checkpoint are what a "
+                "restarted server trains again): use 1 for the least disk, or all",
+            )])
+        if isinstance(n, int) and n > self.keep:
+            _raise_problems([Problem(
+                ("keep_trained_groups",), n,
+                f"is more than keep ({self.keep}): the groups of steps before the oldest "
+                "checkpoint kept have no checkpoint to replay from, so they would fill the "
+                f"disk for nothing: set keep to {n}, lower this to {self.keep}, or use all",
+            )])
+        return self
+
+    @property
+    def trained_groups_checkpoints(self) -> int | None:
+        """The checkpoints whose later steps' groups keep their tokens (None: all groups)."""
+        n = self.keep_trained_groups
+        if isinstance(n, int):
+            return n
+        return self.keep if n is None else None  # None: all
 
 
 class GenerationConfig(_Strict):

@@ -685,6 +685,12 @@ ROWS: dict[str, Row] = {
         f"{TRAINER}::test_resume_restores_weights_optimizer_and_version",
         "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
     )),
+    "models.<name>.checkpoint.keep_trained_groups": CoveredBy((
+        "tests/test_replay.py::test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported",
+        "tests/test_replay.py::test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay",
+        "tests/test_replay.py::test_keeping_groups_beyond_the_checkpoints_kept_is_refused",
+        "tests/test_rerun.py::test_a_run_whose_groups_were_dropped_is_refused_with_the_setting",
+    )),
     "models.<name>.generation.max_batch_size": CoveredBy(
         ("tests/server/test_engine_batching.py::test_no_decode_step_holds_more_than_max_batch_size",)),
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
