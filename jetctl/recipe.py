@@ -377,6 +377,22 @@ class LimitsConfig(_Strict):
         "on its memory whatever the groups' size); past it Submit acks BUSY as for "
         "max_buffer_groups. At least max_message_bytes, so that any one group fits",
     )
+    max_queued_generates: int = Field(
+        default=1024,
+        ge=1,
+        description="Generate calls waiting for a row of the engine (beyond "
+        "generation.max_batch_size; every call held, for an engine that does not say how "
+        "many rows it has); past it Generate answers RESOURCE_EXHAUSTED with a retry-after "
+        "and the node calls again after that wait, its rollout going on",
+    )
+    max_concurrent_rpcs: int = Field(
+        default=4096,
+        ge=2,
+        description="RPCs the server runs at once, of every kind (gRPC's "
+        "maximum_concurrent_rpcs); past it a call gets RESOURCE_EXHAUSTED at once. A "
+        "backstop above max_queued_generates, so that Generate's bound (with its "
+        "retry-after) answers first",
+    )
 
     @model_validator(mode="after")
     def _one_group_fits(self) -> LimitsConfig:
@@ -385,6 +401,17 @@ class LimitsConfig(_Strict):
                 f"max_buffer_bytes ({self.max_buffer_bytes}) is below max_message_bytes "
                 f"({self.max_message_bytes}): a group that large could never be buffered; set "
                 f"max_buffer_bytes to at least {self.max_message_bytes}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _queue_bound_answers_first(self) -> LimitsConfig:
+        if self.max_concurrent_rpcs <= self.max_queued_generates:
+            raise ValueError(
+                f"max_concurrent_rpcs ({self.max_concurrent_rpcs}) is not above "
+                f"max_queued_generates ({self.max_queued_generates}): Generate calls would be "
+                "refused without a retry-after before the engine's queue is full; set "
+                f"max_concurrent_rpcs above it, e.g. to {2 * self.max_queued_generates}"
             )
         return self
 

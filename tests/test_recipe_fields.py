@@ -721,6 +721,14 @@ ROWS: dict[str, Row] = {
         "tests/server/test_buffer_bytes.py::test_past_the_byte_bound_a_group_is_busy_and_not_stored",
         "tests/server/test_buffer_bytes.py::test_a_byte_bound_below_one_message_is_refused_with_the_fix",
     )),
+    "models.<name>.limits.max_queued_generates": CoveredBy((
+        "tests/server/test_engine_backpressure.py::test_past_max_queued_generates_generate_is_refused_with_a_retry_after_and_the_node_waits",
+        "tests/server/test_engine_backpressure.py::test_a_node_whose_wait_outlasts_its_generate_timeout_fails_with_503",
+    )),
+    "models.<name>.limits.max_concurrent_rpcs": CoveredBy((
+        "tests/server/test_engine_backpressure.py::test_past_max_concurrent_rpcs_any_call_is_refused_until_one_finishes",
+        "tests/server/test_engine_backpressure.py::test_a_concurrency_cap_not_above_the_generate_queue_is_refused_with_the_fix",
+    )),
     "models.<name>.host": Served(served_host),
     "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),

@@ -12,6 +12,8 @@
   jitter (tenacity). Resending is safe: group ids are idempotency keys and a group the
   server already holds comes back DUPLICATE. The acks themselves (STALE, INVALID, REVISION)
   are final and returned as they are; deciding what to do with them is the node's job.
+* `generate` waits out a busy engine's RESOURCE_EXHAUSTED for the `retry-after-ms` it
+  names (plus up to half again, jitter) and calls again, within `generate_timeout_s`.
 * `pull_weights` writes the streamed chunks into one buffer and checks size and sha256.
 
 * With `run.tls` on (`tls=TlsFiles`), the channel is a secure one that trusts the run CA
@@ -25,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,8 +186,8 @@ RETRY_AFTER_KEY = "retry-after-ms"  # jetctl.server.service's, on a RESOURCE_EXH
 
 
 def retry_after_s(exc: BaseException) -> float | None:
-    """The wait a server asked for with a RESOURCE_EXHAUSTED (its store's writer is full),
-    or None when the error is not such a refusal."""
+    """The wait a server asked for with a RESOURCE_EXHAUSTED (its store's writer or its
+    engine's queue is full), or None when the error is not such a refusal."""
     if not isinstance(exc, grpc.aio.AioRpcError):
         return None
     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -234,6 +238,7 @@ class SwarmTransport:
         self.max_message_bytes = BOOTSTRAP_MESSAGE_BYTES
         self.endpoint: str | None = None
         self.reachable = False
+        self.busy_waits = 0  # Generates refused by a busy engine, waited out and made again
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SwarmStub | None = None
         # replaced channels, closing once their calls finished (or after a grace)
@@ -350,7 +355,10 @@ class SwarmTransport:
         return reply
 
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateReply:
-        """One Generate; UNAVAILABLE is retried a few times (the server may be restarting)."""
+        """One Generate; UNAVAILABLE is retried a few times (the server may be restarting).
+        A busy engine's refusal (RESOURCE_EXHAUSTED with a retry-after) is waited out and
+        the call made again, within `generate_timeout_s` in all: the server keeps its queue
+        bounded, and the rollout waits instead of failing."""
 
         async def call(stub: pb_grpc.SwarmStub) -> pb.GenerateReply:
             return await stub.Generate(
@@ -358,10 +366,20 @@ class SwarmTransport:
             )
 
         policy = RetryPolicy(attempts=4, base_s=0.2, max_s=2.0, total_s=10.0)
-        result: pb.GenerateReply = await self._retrying(
-            call, policy=policy, codes=(grpc.StatusCode.UNAVAILABLE,)
-        )
-        return result
+        deadline = time.monotonic() + self.generate_timeout_s
+        while True:
+            try:
+                result: pb.GenerateReply = await self._retrying(
+                    call, policy=policy, codes=(grpc.StatusCode.UNAVAILABLE,)
+                )
+                return result
+            except grpc.aio.AioRpcError as e:
+                wait_s = retry_after_s(e)
+                if wait_s is None or time.monotonic() + wait_s > deadline:
+                    raise
+            self.busy_waits += 1
+            # up to half again as long: nodes refused together do not all come back together
+            await asyncio.sleep(wait_s * random.uniform(1.0, 1.5))
 
     async def submit(self, groups: Sequence[pb.TrajectoryGroup]) -> pb.SubmitReply:
         """Send groups, get one ack per group. Raises `grpc.aio.AioRpcError` after retries."""
@@ -519,10 +537,13 @@ class ServerBackend:
         except EndpointNotFound as e:
             raise BackendError(str(e)) from e
         except grpc.aio.AioRpcError as e:
+            # a busy engine (a retry-after) outlasting generate_timeout_s is the server's
+            # state, not the request's fault: 503, which the OpenAI SDK retries
             status = (
                 400
                 if e.code()
                 in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                and retry_after_s(e) is None
                 else 503
             )
             raise BackendError(

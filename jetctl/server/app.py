@@ -31,7 +31,7 @@ from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.journal import STORE_TABLES, Journal
 from jetctl.link import ControlLink, Identity
 from jetctl.net import LISTEN_ALSO_ENV, advertised_host, listen_also
-from jetctl.recipe import ModelConfig
+from jetctl.recipe import LimitsConfig, ModelConfig
 from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
@@ -69,6 +69,30 @@ def open_store(path: Path, cfg: ModelConfig) -> TrajectoryStore:
     return TrajectoryStore(
         path, decode=GroupCodec(), max_buffer_groups=cfg.limits.max_buffer_groups,
         max_buffer_bytes=cfg.limits.max_buffer_bytes,
+    )
+
+
+def grpc_server(
+    limits: LimitsConfig, interceptors: list[grpc.aio.ServerInterceptor]
+) -> grpc.aio.Server:
+    """The gRPC server of the Swarm service, bounded by the recipe's `limits:`: message
+    sizes both ways, and the RPCs it runs at once (`max_concurrent_rpcs`, a backstop above
+    Generate's own bound, `max_queued_generates`, which answers first and with a
+    retry-after; past this one every call gets RESOURCE_EXHAUSTED at once)."""
+    return grpc.aio.server(
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            # clients ping every 10 s, also when idle; allow it
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
     )
 
 
@@ -162,27 +186,14 @@ async def serve(opts: ServerOptions) -> int:
         tokenizer_files=tokenizer_files(cfg.model),
         chat_template=tokenizer.chat_template or "",
         eos_token_ids=eos_ids,
+        max_queued_generates=cfg.limits.max_queued_generates,
     )
 
-    limit = cfg.limits.max_message_bytes
     interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name,
                                      revoked=lambda node: node in service.revoked_nodes)]
     if faults.configured:  # an interceptor costs every call, even one that does nothing
         interceptors.append(drop_ack_interceptor(faults))
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.keepalive_time_ms", 20_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            # clients ping every 10 s, also when idle; allow it
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_ping_strikes", 0),
-        ],
-    )
+    server = grpc_server(cfg.limits, interceptors)
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

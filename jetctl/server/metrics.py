@@ -26,6 +26,13 @@ class ServerMetrics:
             "jetctl_server_calls_refused", "RPCs refused before any work, by reason",
             ["reason"], registry=r,
         )
+        # a Generate refused past limits.max_queued_generates counts in refused_calls as
+        # reason="engine_busy"; this is the queue it was measured against
+        self.generates_waiting = Gauge(
+            "jetctl_server_generate_waiting",
+            "Generate calls waiting for a row of the engine, as the last Generate found them",
+            registry=r,
+        )
         self.model_version = Gauge(
             "jetctl_server_model_version", "Optimizer steps completed", registry=r
         )

@@ -37,6 +37,9 @@ MAX_TASK_LABELS = 64  # distinct `task` label values; more would grow /metrics w
 # RESOURCE_EXHAUSTED with a retry-after (a writer stalled on a slow disk must not queue
 # requests, and their payloads, without bound)
 MAX_PENDING_WRITES = 8192
+# Generate requests waiting for a row of the engine; past it Generate answers
+# RESOURCE_EXHAUSTED with a retry-after (the recipe's `limits.max_queued_generates`)
+MAX_QUEUED_GENERATES = 1024
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED to wait out
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
 ACK_CODES = {
@@ -66,6 +69,7 @@ class SwarmService:
         chat_template: str,
         eos_token_ids: list[int],
         groups_per_step: int = 1,
+        max_queued_generates: int = MAX_QUEUED_GENERATES,
     ) -> None:
         self.model_name = model_name
         self.model_source = model_source
@@ -89,6 +93,9 @@ class SwarmService:
         self._task_labels: set[str] = set()
         self.max_pending_writes = MAX_PENDING_WRITES
         self._pending_writes = 0  # groups in the store's write queue (this loop's count)
+        self.max_queued_generates = max_queued_generates
+        self._generating = 0  # Generate calls handed to the engine and not answered yet
+        self._generate_s = 1.0  # running mean of one Generate's time, its wait included (s)
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -150,19 +157,27 @@ class SwarmService:
         if reason:
             self.refuse("invalid_generate")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        await self._check_engine(context)
         prompt = list(req.prompt_ids)  # measured above, so at most max_context_tokens
         room = self.limits.max_context_tokens - len(prompt)
         max_tokens = min(req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
-        result = await self.engine.generate(
-            GenRequest(
-                prompt_ids=prompt,
-                max_tokens=max_tokens,
-                temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
-                top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
-                stop_token_ids=tuple(req.stop_token_ids),
-                seed=req.seed if req.HasField("seed") else None,
+        self._generating += 1
+        t0 = time.monotonic()
+        try:
+            result = await self.engine.generate(
+                GenRequest(
+                    prompt_ids=prompt,
+                    max_tokens=max_tokens,
+                    temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
+                    top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
+                    stop_token_ids=tuple(req.stop_token_ids),
+                    seed=req.seed if req.HasField("seed") else None,
+                )
             )
-        )
+        finally:
+            self._generating -= 1
+        # a mean over the last ~16 replies: what the retry-after of a refusal is sized by
+        self._generate_s += (time.monotonic() - t0 - self._generate_s) / 16
         self.tokens_generated += len(result.completion_ids)
         self.metrics.tokens_generated.inc(len(result.completion_ids))
         return pb.GenerateReply(
@@ -171,6 +186,34 @@ class SwarmService:
             model_version=result.model_version,
             finish_reason=result.finish_reason,
             load=self.load(),
+        )
+
+    async def _check_engine(self, context: grpc.aio.ServicerContext) -> None:
+        """Past `max_queued_generates` calls waiting for a row of the engine, refuse the
+        call with RESOURCE_EXHAUSTED and how long to wait (`retry-after-ms`, trailing
+        metadata), as `_check_writer` does for Submit: the node's transport waits and
+        calls again, and the rollout goes on. A queue without a bound would hold every
+        hostile or runaway caller's request, and its reply would come after the caller's
+        own deadline anyway."""
+        load = self.engine.load()
+        # calls beyond the rows the engine generates at once (an engine that does not say
+        # how many that is, max_rows 0, counts every call it holds)
+        waiting = max(0, self._generating - load.max_rows)
+        self.metrics.generates_waiting.set(waiting)
+        if waiting < self.max_queued_generates:
+            return
+        self.refuse("engine_busy")
+        # the time for the calls ahead to be answered: by Little's law the engine answers
+        # about `_generating / _generate_s` calls a second (the mean time measured includes
+        # the wait for a row); a measured rate, not a promise, within 0.1 .. 5 s
+        per_s = max(1, self._generating) / max(self._generate_s, 1e-3)
+        retry_ms = int(min(5000, max(100, 1000 * waiting / per_s)))
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the engine has {waiting} Generate calls waiting (at most "
+            f"{self.max_queued_generates}, limits.max_queued_generates): call again in "
+            f"{retry_ms} ms",
+            trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
         )
 
     def load(self) -> pb.Load:
