@@ -8,9 +8,12 @@ and custom resources, strategy SPREAD) and each server its own (`server/<model>`
 <m>.resources`); node `i` is an actor in bundle `i`. The actor (`NodeProcess`) runs the same
 `jetctl client` / `jetctl server` command the process runtime runs, as a subprocess on its
 Ray host, in the run's work dir there (`run.ray.work_dir/<namespace>`: the node's spool and
-log), with the controller's address, the token and the TLS files in its environment (TLS
-files travel as PEM text and are written 0600 on the host). So the node joins the controller
-over the network like any other.
+log), with the controller's address, the token and the TLS files in its environment. The
+TLS files travel as PEM text and are written, each node's in a directory of its own, under
+the run's private directory there (`private/<node>/`: directories 0700, files 0600, made
+with O_EXCL | O_NOFOLLOW; one owned by another user, a symlink or with looser modes is
+refused). An actor's `info` (what `list` and `prune` read) never carries the environment.
+So the node joins the controller over the network like any other.
 
 Actors are named after their node and detached, in the namespace `run.ray.namespace`
 (default `jetctl-<run>`): a controller that died leaves them running and `jetctl up --resume`
@@ -19,7 +22,9 @@ groups, a swap the drained revision's group (`release_group`). Restarts are the
 controller's (with its backoff), not Ray's: `max_restarts=0`.
 
 Left out: Ray's own logs (the node's log stays on its host, `logs/<node>.log` under the work
-dir), autoscaling.
+dir), autoscaling; and Ray keeps an actor's creation arguments (the spec, its environment
+with the token and the PEM text included) for the actor's life, where whoever can reach
+the cluster may read them: the secrets travel that way still.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -53,7 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("jetctl.controller")
 
 PYTHON = "python"  # argv[0] of a node command: the Ray worker's own interpreter
-TLS_PEMS_ENV = "JETCTL_TLS_PEMS"  # {file name: PEM text}, written to the host's work dir
+TLS_PEMS_ENV = "JETCTL_TLS_PEMS"  # {file name: PEM text}, written under PRIVATE_DIR
+PRIVATE_DIR = "private"  # in the run's work dir on a Ray host: 0700, a directory per node
 CALL_TIMEOUT_S = 10.0
 POLL_TIMEOUT_S = 2.0  # a poll runs in the reconcile loop: an actor not placed yet is "running"
 
@@ -75,13 +82,11 @@ class NodeProcess:
         (work / "logs").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec["env"], "PYTHONUNBUFFERED": "1"}
         pems = json.loads(env.pop(TLS_PEMS_ENV, "") or "{}")
-        if pems:
-            tls = work / "tls"
-            tls.mkdir(mode=0o700, exist_ok=True)
-            for name, text in pems.items():
-                fd = os.open(tls / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
+        if pems:  # under the run's private directory, one of the node's own in it
+            private = work / PRIVATE_DIR
+            make_private_dir(private)
+            tls = private / self.spec["name"]
+            write_private_files(tls, pems)
             env["JETCTL_TLS_DIR"] = str(tls)
         argv = list(self.spec["argv"])
         if argv and argv[0] == PYTHON:
@@ -96,8 +101,11 @@ class NodeProcess:
         self.started_at = time.time()
 
     def info(self) -> dict[str, Any]:
+        """What the controller lists and adopts by; never the node's environment (its
+        credential, the TLS keys' text): anyone who can call the actor can read this."""
         return {
-            "spec": self.spec, "pid": self.proc.pid if self.proc else 0,
+            "spec": {k: v for k, v in self.spec.items() if k != "env"},
+            "pid": self.proc.pid if self.proc else 0,
             "host": socket.gethostname(), "started_at": self.started_at,
             "running": self.proc is not None and self.proc.poll() is None,
         }
@@ -134,6 +142,74 @@ _DIE_WITH_PARENT = (
     "try:\n    ctypes.CDLL('libc.so.6').prctl(1, 9)\nexcept OSError:\n    pass\n"
     "os.execvp(sys.argv[1], sys.argv[1:])"
 )
+
+
+class PrivateDirError(RuntimeError):
+    """A directory that should hold a run's keys is not one only this user can enter."""
+
+
+def _open_private_dir(path: Path) -> int:
+    """`path` as a directory only this user can enter: made 0700 (mkdir fails on any
+    existing name, a symlink included), or an existing one checked. Returns an fd of it
+    opened with O_NOFOLLOW, so a symlink swapped in after the check is not followed.
+    Refused (PrivateDirError): a symlink, not a directory, another owner, group or other
+    permission bits; each says what to do."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:  # ELOOP: a symlink; ENOTDIR: a file
+        raise PrivateDirError(
+            f"{path} is not a plain directory ({e.strerror}): remove it, and the run makes "
+            "it again, 0700"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PrivateDirError(
+                f"{path} is owned by uid {st.st_uid}, not this user ({os.geteuid()}): "
+                "another user could read the run's keys; remove it"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise PrivateDirError(
+                f"{path} has mode {stat.S_IMODE(st.st_mode):o}: others could read the run's "
+                f"keys; chmod 700 {path}, or remove it"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_private_dir(path: Path) -> None:
+    """`path` made, or found, a directory only this user can enter (`_open_private_dir`)."""
+    os.close(_open_private_dir(path))
+
+
+def write_private_files(directory: Path, files: dict[str, str]) -> None:
+    """Write each `{name: text}` into `directory` (made or checked 0700) as a new file,
+    0600: an old file of that name (a restarted node's) is unlinked first, and the new one
+    is created with O_EXCL | O_NOFOLLOW through the directory's fd, so no symlink planted
+    there redirects the write."""
+    fd = _open_private_dir(directory)
+    try:
+        for name, text in files.items():
+            if not name or name in (".", "..") or "/" in name:
+                raise PrivateDirError(f"{name!r} is not a plain file name")
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            out = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd
+            )
+            with os.fdopen(out, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # whatever the umask left
+                f.write(text)
+    finally:
+        os.close(fd)
 
 
 class RayRuntime(Runtime):
