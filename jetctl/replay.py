@@ -157,9 +157,11 @@ def stored_groups(store_path: Path, record: StepRecord) -> list[bytes]:
     return [p for p in found.values() if p is not None]
 
 
-def dropped_steps(store_path: Path, records: dict[int, StepRecord], steps: range) -> list[int]:
-    """The steps of `steps` some of whose groups' tokens the store no longer holds (or
-    never held): what a re-train from the record cannot take again."""
+def dropped_steps(
+    store_path: Path, records: dict[int, StepRecord], steps: Sequence[int],
+) -> list[int]:
+    """The steps of `steps` (recorded ones) some of whose groups' tokens the store no longer
+    holds (or never held): what a replay or a re-train cannot take again."""
     ids = sorted({gid for s in steps for gid in records[s].group_ids})
     kept: set[str] = set()
     db = sqlite3.connect(f"file:{store_path}?mode=ro", uri=True)
@@ -172,6 +174,21 @@ def dropped_steps(store_path: Path, records: dict[int, StepRecord], steps: range
     finally:
         db.close()
     return [s for s in steps if not kept.issuperset(records[s].group_ids)]
+
+
+def replayable(
+    store_path: Path, records: dict[int, StepRecord], checkpoints: Sequence[int],
+) -> list[int]:
+    """The recorded steps that replay from the run dir: from the newest checkpoint before
+    each (`checkpoints`: their versions; none: the seeded start), every step from there to
+    it recorded and its groups held."""
+    gone = set(dropped_steps(store_path, records, sorted(records)))
+    out = []
+    for s in sorted(records):
+        start = max((v for v in checkpoints if v <= s - 1), default=0)
+        if all(t in records and t not in gone for t in range(start + 1, s + 1)):
+            out.append(s)
+    return out
 
 
 def _read_payloads(path: Path, group_ids: Collection[str]) -> dict[str, bytes | None]:
@@ -279,6 +296,7 @@ def rebuild_before(
         known = sorted(records)
         raise ReplayError(f"no recorded step {step} (recorded steps: "
                           f"{spans(known) if known else 'none'})")
+    _check_groups_held(store_path, records, checkpoint_root, step)
     replayer = Replayer(cfg)
     start = replayer.restore(checkpoint_root, at_most=step - 1)
     for s in range(start + 1, step):
@@ -288,6 +306,31 @@ def rebuild_before(
         with deterministic(records[s].threads):
             replayer.step(stored_groups(store_path, records[s]))
     return replayer
+
+
+def _check_groups_held(
+    store_path: Path, records: dict[int, StepRecord], checkpoint_root: Any, step: int,
+) -> None:
+    """Refuse, before loading anything, a step whose replay needs groups the store dropped:
+    naming them, the steps that do replay, and the setting that keeps them."""
+    from jetctl.server import checkpoint as ckpt
+
+    versions = ckpt.versions(checkpoint_root)
+    start = max((v for v in versions if v <= step - 1), default=0)
+    needed = list(range(start + 1, step + 1))
+    gone = dropped_steps(store_path, records, [s for s in needed if s in records])
+    if not gone:
+        return
+    origin = f"the checkpoint of step {start}" if start else "the seeded start"
+    ok = replayable(store_path, records, versions)
+    raise ReplayError(
+        f"step {step} replays from {origin}, through steps {spans(needed)}, and the store "
+        f"no longer holds the groups of steps {spans(gone)}: the server "
+        "dropped their tokens at a checkpoint, as the model's checkpoint.keep_trained_groups "
+        "says (default: as many checkpoints as checkpoint.keep). Steps that replay from this "
+        f"run dir: {spans(ok) if ok else 'none'}. Set keep_trained_groups: all in the "
+        "model's checkpoint: section so that every step of a run replays, or bundle a step "
+        "while its groups are there")
 
 
 def replay_run_step(
