@@ -21,6 +21,11 @@ Figures per task and checkpoint (rows n, K samples each, reward r, "correct": r 
   (mean of the per-row differences d_i, +- 1.96 sd(d) / sqrt(n)).
 
 A rollout whose reward raises is failed: counted in `failed`, left out of every figure.
+`max_rows` scores the split's first rows only (the cost of an in-run eval).
+
+The figures are kept in RUN_DIR/eval/step-N.<split>.json, `{task: figures}` (`save_results`;
+`latest_results` reads each task's newest for `jetctl status`). A task's `eval: {every_steps:
+N}` has its server run this module's CLI after due checkpoints (jetctl/server/evals.py).
 
 Left out: tasks that are not dataset tasks (their env has no fixed rows to hold out), and
 generation on a server (the model is loaded here, on the recipe's device).
@@ -337,9 +342,12 @@ def difference(first: str, a: TaskFigures, second: str, b: TaskFigures) -> Diffe
 def evaluate(
     source: RunSource, checkpoints: list[str], *, tasks: list[str] | None = None,
     split: str = "test", samples: int = 4, batch: int = 64, seed: int = 0,
+    max_rows: int | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, dict[str, TaskFigures]]:
-    """{checkpoint label: {task: figures}} for the tasks (default: every dataset task)."""
+    """{checkpoint label: {task: figures}} for the tasks (default: every dataset task), over
+    the split's first `max_rows` rows (None: all; the split's order is fixed, so the same
+    rows each time)."""
     import torch
 
     from jetctl.client.rollout import load_object
@@ -352,6 +360,8 @@ def evaluate(
         raise TrainedError(f"no task {unknown[0]!r} (tasks: {', '.join(source.recipe.tasks)})")
     if samples < 1:
         raise TrainedError(f"--samples ({samples}) must be at least 1")
+    if max_rows is not None and max_rows < 1:
+        raise TrainedError(f"--max-rows ({max_rows}) must be at least 1")
     report: dict[str, dict[str, TaskFigures]] = {}
     for label in checkpoints:
         report[label] = {}
@@ -363,7 +373,8 @@ def evaluate(
             torch.manual_seed(seed)
             env = dataset_env(task, split)
             agent = load_object(task.agent)
-            rollouts = [_Rollout(env.task(i)) for i in range(len(env.rows)) for _ in range(samples)]
+            n_rows = len(env.rows) if max_rows is None else min(max_rows, len(env.rows))
+            rollouts = [_Rollout(env.task(i)) for i in range(n_rows) for _ in range(samples)]
             runner = Runner(model, tokenizer, task, seed)
             for start in _chunks(len(rollouts), batch):
                 runner.run(env, agent, rollouts[start:start + batch])
@@ -385,8 +396,10 @@ def results_path(run_dir: Path, step: int, split: str) -> Path:
 
 
 def save_results(source: RunSource, report: dict[str, dict[str, TaskFigures]], split: str) -> None:
-    """Each checkpoint's figures beside the run (nothing when the recipe has no run dir)."""
-    from jetctl.rundir import write_json_atomic
+    """Each checkpoint's figures beside the run (nothing when the recipe has no run dir):
+    `{task: figures}` per step and split; the tasks scored now replace their own entries
+    and keep the others' (two tasks' in-run evals of one step share the file)."""
+    from jetctl.rundir import read_json, write_json_atomic
 
     if source.run_dir is None:
         return
@@ -394,7 +407,22 @@ def save_results(source: RunSource, report: dict[str, dict[str, TaskFigures]], s
         step = next(iter(tasks.values()))["step"]
         path = results_path(source.run_dir, step, split)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, tasks)
+        write_json_atomic(path, {**(read_json(path) or {}), **tasks})
+
+
+def latest_results(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per task, the figures of the newest step evaluated (`jetctl eval` or an in-run eval):
+    `{task: {step, split, pass_at_1, mean_reward, ...}}`; {} when nothing was evaluated.
+    At one step, the test split's figures win over another split's."""
+    from jetctl.rundir import RunPaths, read_json
+
+    found: dict[str, tuple[tuple[int, bool], dict[str, Any]]] = {}
+    for step, split, path in RunPaths(run_dir).eval_result_files():
+        rank = (step, split == "test")
+        for task, figures in (read_json(path) or {}).items():
+            if isinstance(figures, dict) and (task not in found or rank > found[task][0]):
+                found[task] = (rank, {**figures, "split": split})
+    return {task: figures for task, (_, figures) in sorted(found.items())}
 
 
 def as_json(report: dict[str, dict[str, TaskFigures]]) -> dict[str, Any]:

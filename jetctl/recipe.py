@@ -620,6 +620,38 @@ class ResourcesConfig(_Strict):
 
 # what `jetctl images build` makes (jetctl/images.py): client images without torch
 SHIPPED_IMAGES = frozenset({"jetctl-base", "jetctl-web", "jetctl-code", "jetctl-api"})
+DATASET_ENV = "jetctl.envs.dataset:make_env"
+
+
+class EvalConfig(_Strict):
+    """An eval during the run (jetctl/server/evals.py): after a checkpoint at a multiple of
+    `every_steps`, the task's server runs `jetctl eval` on the held-out rows in a process of
+    its own and logs the figures with the next step."""
+
+    every_steps: int = Field(
+        ge=1,
+        description="eval the checkpoint of every this many steps: a multiple of the model's "
+        "checkpoint.every_steps (the eval loads a checkpoint)",
+    )
+    split: Literal["test", "train"] = Field(
+        default="test",
+        description="the rows scored: test (the held-out rows: env_args.test_fraction or "
+        "test_path) or train",
+    )
+    samples: int = Field(default=1, ge=1, description="K: samples per row (pass@K)")
+    max_rows: int | None = Field(
+        default=None,
+        ge=1,
+        description="score only the split's first this many rows (the same ones every time; "
+        "null: all): the cost of each eval",
+    )
+    timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="an eval running longer is killed and logged as failed; the next due "
+        "checkpoint is evaluated",
+    )
+
 
 
 class TaskConfig(_Strict):
@@ -698,6 +730,11 @@ class TaskConfig(_Strict):
         description="back-pressure watermark: a node stops taking tasks above this spool size",
     )
     seed: int = Field(default=0, description="seed of task sampling")
+    eval: EvalConfig | None = Field(
+        default=None,
+        description="an eval every N steps during the run (a dataset task): e.g. "
+        "{every_steps: 10, max_rows: 40} (null: none; `jetctl eval` after the run)",
+    )
 
     @property
     def role_models(self) -> dict[str, str]:
@@ -1062,6 +1099,7 @@ def _recipe_problems(
                 if p not in problems:  # two roles on models with the same caps: once
                     problems.append(p)
     problems += _mix_problems(models, tasks)
+    problems += _eval_step_problems(models, tasks)
     folders: dict[str, str] = {}  # checkpoint.dir -> the first model that names it
     for name, model in models.items():
         folder = model.checkpoint.dir
@@ -1140,6 +1178,65 @@ def _mix_problems(
                 ("models", name, "train", "mix"), mix,
                 f"gives no share to {', '.join(missing)}, which train(s) {name}: give every "
                 "task of this model a share",
+            ))
+    return problems
+
+
+def _task_eval_problems(task: TaskConfig, block: EvalConfig) -> list[Problem]:
+    """An eval scores fixed rows of one model: a dataset task, with held-out rows."""
+    if not task.env.startswith(DATASET_ENV.split(":")[0] + ":"):
+        return [Problem(
+            ("eval",), block.model_dump(exclude_defaults=True),
+            f"needs a dataset task (env: {DATASET_ENV}), whose rows can be held out; "
+            f"{task.env} has none: remove eval:, and score this task your own way",
+        )]
+    problems: list[Problem] = []
+    if task.roles:
+        problems.append(Problem(
+            ("eval",), block.model_dump(exclude_defaults=True),
+            "scores one model, and this team task trains several (roles:): remove eval:, "
+            "or give the task one model:",
+        ))
+    held_out = task.env_args.get("test_fraction") or task.env_args.get("test_path")
+    if block.split == "test" and not held_out:
+        problems.append(Problem(
+            ("eval", "split"), block.split,
+            "needs held-out rows, and env_args has neither test_fraction nor test_path: "
+            "add env_args.test_fraction (e.g. 0.2) or env_args.test_path, or set split: "
+            "train",
+        ))
+    return problems
+
+
+def _eval_step_problems(
+    models: Mapping[str, ModelConfig], tasks: Mapping[str, TaskConfig]
+) -> list[Problem]:
+    """A task's `eval.every_steps` falls on its model's checkpoints (the eval loads one),
+    and its model's server runs where the run dir's recipe and data are (runtime: process)."""
+    problems: list[Problem] = []
+    for name, task in tasks.items():
+        if task.eval is None:
+            continue
+        problems += [Problem(("tasks", name, *p.loc), p.value, p.message)
+                     for p in _task_eval_problems(task, task.eval)]
+        if task.model is None or task.model not in models:  # a team: refused above
+            continue
+        model = models[task.model]
+        every, ckpt = task.eval.every_steps, model.checkpoint.every_steps
+        if every % ckpt:
+            up = -(-every // ckpt) * ckpt
+            problems.append(Problem(
+                ("tasks", name, "eval", "every_steps"), every,
+                f"is not a multiple of models.{task.model}.checkpoint.every_steps ({ckpt}), "
+                f"so no checkpoint would be there to evaluate: use {up} (or another multiple "
+                f"of {ckpt}), or change checkpoint.every_steps",
+            ))
+        if model.runtime != "process":
+            problems.append(Problem(
+                ("tasks", name, "eval"), task.eval.model_dump(exclude_defaults=True),
+                f"runs beside models.{task.model}'s server, reading the run dir's recipe and "
+                f"the dataset, which a server with runtime: {model.runtime} does not have: "
+                "remove eval: and run `jetctl eval RUN_DIR` on this host",
             ))
     return problems
 

@@ -114,12 +114,22 @@ class RunPaths:
 
     @property
     def eval_dir(self) -> Path:
-        """`jetctl eval`'s figures of each checkpoint (jetctl.eval), read by the export's
-        model card."""
+        """`jetctl eval`'s figures of each checkpoint (jetctl.eval; a task's in-run eval,
+        jetctl.server.evals, runs it too), read by the export's model card and by
+        `jetctl status`."""
         return self.root / "eval"
 
     def eval_results(self, step: int, split: str) -> Path:
         return self.eval_dir / f"step-{step}.{split}.json"
+
+    def eval_result_files(self) -> list[tuple[int, str, Path]]:
+        """Every `eval_results` file there is: (step, split, path), by step."""
+        found = []
+        for path in self.eval_dir.glob("step-*.json") if self.eval_dir.is_dir() else []:
+            step, _, split = path.name.removesuffix(".json").removeprefix("step-").partition(".")
+            if step.isdigit() and split:
+                found.append((int(step), split, path))
+        return sorted(found)
 
     @property
     def faults(self) -> Path:

@@ -131,6 +131,7 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
             str(paths.reward_curve_csv) if paths.reward_curve_csv.is_file() else None
         ),
         "ledger": build_ledger(run_dir).summary(),
+        "evals": _evals(run_dir),  # per task, its newest eval's figures
     }
 
 
@@ -192,6 +193,7 @@ def render_summary(summary: dict[str, Any]) -> RenderableType:
 
     parts += [Text(cost_line(model, m["costs"])) for model, m in summary["models"].items()
               if m.get("costs")]
+    parts += eval_lines(summary.get("evals") or {})
     curve = summary.get("reward_curve")
     parts.append(Text(f"reward curve: {curve} (and {summary['reward_curve_csv']})" if curve
                       else "reward curve: none (no batch was trained)"))
@@ -314,6 +316,9 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
     tasks = task_summary(doc)
     for task, progress in reply.rows_json.items():  # dataset tasks (jetctl.controller.rows)
         tasks.setdefault(task, {})["rows"] = json.loads(progress)
+    if reply.run_dir:  # the newest eval of each task evaluated (RUN_DIR/eval/, jetctl.eval)
+        for task, figures in _evals(Path(reply.run_dir)).items():
+            tasks.setdefault(task, {})["eval"] = figures
     doc["tasks"] = tasks
     return doc
 
@@ -589,10 +594,36 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
         header(doc), Text(""), models_table(doc), Text(""), tasks_table(doc), Text(""),
         clients_table(doc),
     ]
+    parts += eval_lines(task_evals(doc))
     parts += signal_lines(doc)
     if doc.get("ledger"):
         parts += [Text(""), ledger_line(doc["ledger"])]
     return Group(*parts)
+
+
+def _evals(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each task's newest eval figures; jetctl.eval imported only here (it pulls the env
+    and rollout modules in, which the rest of the status view does without)."""
+    from jetctl.eval import latest_results
+
+    return latest_results(run_dir)
+
+
+def task_evals(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """task -> its newest eval's figures, for the tasks of the document that have one."""
+    return {t: e["eval"] for t, e in (doc.get("tasks") or {}).items() if e.get("eval")}
+
+
+def eval_lines(evals: dict[str, dict[str, Any]]) -> list[RenderableType]:
+    """A line per task evaluated (an in-run `eval:` or `jetctl eval`): the newest step's
+    pass@1 and mean reward, on which split, over how many rows and samples."""
+    lines: list[RenderableType] = []
+    for task, f in evals.items():
+        lines.append(Text(
+            f"eval {task}: step {f.get('step')} ({f.get('split')}, {f.get('rows')} rows x "
+            f"{f.get('samples')}): pass@1 {_fmt(f.get('pass_at_1'), 3)}, mean reward "
+            f"{_fmt(f.get('mean_reward'), 3)}"))
+    return lines
 
 
 def signal_lines(doc: dict[str, Any]) -> list[RenderableType]:
@@ -634,5 +665,6 @@ def render_progress(doc: dict[str, Any], recipe: Recipe) -> RenderableType:
         )
         parts.append(bar)
     parts += [Text(""), models_table(doc, recipe), Text(""), tasks_table(doc, recipe)]
+    parts += eval_lines(task_evals(doc))
     parts += signal_lines(doc)
     return Group(*parts)

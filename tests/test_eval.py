@@ -159,3 +159,24 @@ def test_sharing_the_prompts_common_prefix_gives_the_same_replies(
     whole = replies()
     assert shared == whole
     assert len({tuple(r) for r in whole}) > 1, "the rows' replies differ: the test can fail"
+
+
+def test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file(tmp_path: Path) -> None:
+    """An in-run eval scores one task per process (`--task T --max-rows N`): the second
+    task's figures join the first's in step-4.test.json, and status reads both."""
+    from jetctl.eval import latest_results, save_results
+
+    run_dir = make_run(tmp_path)
+    source = open_source(run_dir)
+    for task in ("scored", "lengths"):
+        report = evaluate(source, ["latest"], tasks=[task], split="test", samples=1, max_rows=2)
+        save_results(source, report, "test")
+    held_out = make_env(**{**source.recipe.tasks["scored"].env_args, "split": "test"}).rows
+    first_two = [r["score"] for r in held_out[:2]]
+    stored = json.loads((run_dir / "eval" / "step-4.test.json").read_text())
+    assert set(stored) == {"scored", "lengths"}
+    assert stored["scored"]["rows"] == sum(s >= 0 for s in first_two)  # a raising row: failed
+    assert stored["lengths"]["rows"] == 2
+    shown = latest_results(run_dir)
+    assert {t: (f["step"], f["split"]) for t, f in shown.items()} == {
+        "scored": (4, "test"), "lengths": (4, "test")}

@@ -612,6 +612,7 @@ DOCKER = "tests/controller/test_docker_runtime.py"
 NODE = "tests/client/test_client_node.py"
 CONCURRENCY = "tests/client/test_concurrency.py"
 TRAINER = "tests/server/test_trainer.py"
+EVALS = "tests/server/test_evals.py"
 
 ROWS: dict[str, Row] = {
     "run.name": Effect(run_name),
@@ -795,6 +796,25 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.spool_max_bytes": CoveredBy(
         (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
     "tasks.<name>.seed": CoveredBy((f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+    "tasks.<name>.eval.every_steps": CoveredBy((
+        f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",
+        f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
+        f"{EVALS}::test_every_steps_must_fall_on_a_checkpoint",
+    )),
+    "tasks.<name>.eval.split": CoveredBy((
+        f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
+        f"{EVALS}::test_the_test_split_needs_held_out_rows",
+    )),
+    "tasks.<name>.eval.samples": CoveredBy((
+        f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
+        "tests/test_eval.py::test_the_figures_of_the_held_out_rows",
+    )),
+    "tasks.<name>.eval.max_rows": CoveredBy((
+        f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",
+        "tests/test_eval.py::test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file",
+    )),
+    "tasks.<name>.eval.timeout_s": CoveredBy(
+        (f"{EVALS}::test_an_eval_past_its_timeout_is_killed_and_counted",)),
 }
 
 

@@ -1,5 +1,6 @@
 """`jetctl eval RECIPE|RUN_DIR [--task T] [--checkpoint base,latest] [--split test]
-[--samples K] [--json]`: held-out rows through the task's agent, env and reward.
+[--samples K] [--max-rows N] [--json]`: held-out rows through the task's agent, env and
+reward.
 
 A thin entry point: the logic is in jetctl/eval.py.
 """
@@ -33,6 +34,8 @@ def register(app: typer.Typer) -> None:
                                                 "or two of them: base,latest.")] = "latest",
         split: Annotated[str, typer.Option("--split", help="The split to score.")] = "test",
         samples: Annotated[int, typer.Option("--samples", help="K: samples per row.")] = 4,
+        max_rows: Annotated[int | None, typer.Option(
+            "--max-rows", help="Score only the split's first N rows (default: all).")] = None,
         batch: Annotated[int, typer.Option("--batch", help="Rollouts generated together.")] = 64,
         seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object keyed by "
@@ -64,7 +67,8 @@ def register(app: typer.Typer) -> None:
                     bar.update(bars[what], completed=done)  # type: ignore[arg-type]
 
                 report = ev.evaluate(source, labels, tasks=task, split=split, samples=samples,
-                                     batch=batch, seed=seed, on_progress=progress)
+                                     batch=batch, seed=seed, max_rows=max_rows,
+                                     on_progress=progress)
         except (TrainedError, DatasetError) as exc:
             fail(str(exc))
         ev.save_results(source, report, split)

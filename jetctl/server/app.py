@@ -8,7 +8,8 @@ second (jetctl.link): its advertised endpoint, the revisions it refuses and its 
 ledger records (jetctl.journal) go to the controller; the revisions to refuse come back.
 Setup -> serve -> cleanup: load the model (LoRA-wrapped or full), resume from the last
 complete checkpoint, reload accepted-but-untrained groups, serve gRPC (+ health and
-reflection) and Prometheus /metrics, train in a thread. SIGTERM: stop accepting (health
+reflection) and Prometheus /metrics, train in a thread (and run the tasks' in-run evals
+after due checkpoints, jetctl/server/evals.py). SIGTERM: stop accepting (health
 NOT_SERVING), finish the current step, checkpoint, exit 0.
 """
 
@@ -37,6 +38,7 @@ from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
 from jetctl.server.checkpoint import CHECKPOINT_KEY, SignedDir
 from jetctl.server.engines import make_engine
+from jetctl.server.evals import InRunEval
 from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
@@ -170,6 +172,11 @@ async def serve(opts: ServerOptions) -> int:
     take_figures = getattr(serving.engine, "take_figures", None)
     if take_figures is not None:
         trainer.extra_scalars = take_figures
+    # tasks' `eval: {every_steps: N}`: `jetctl eval` in a child after each due checkpoint
+    evals = InRunEval.for_server(opts.run_dir, opts.name, version) if opts.train else None
+    if evals is not None:
+        trainer.extra_scalars = evals.joined(trainer.extra_scalars)
+        evals.start()
     vocab = int(model.get_input_embeddings().weight.shape[0])
     service = SwarmService(
         model_name=opts.name,
@@ -274,6 +281,8 @@ async def serve(opts: ServerOptions) -> int:
             # acked is durable) and let the controller restart from the last checkpoint
             log.critical("%s; exiting so the controller restarts this server", stalled)
             os._exit(70)
+        if evals is not None:
+            evals.checkpointed(trainer.figures.last_checkpoint_version)
         await sync()
         _write_endpoint(
             opts, endpoint, metrics_endpoint, trainer.version, service.refused_revisions
@@ -281,6 +290,8 @@ async def serve(opts: ServerOptions) -> int:
 
     log.info("draining: finishing the current step and checkpointing")
     await health_servicer.enter_graceful_shutdown()
+    if evals is not None:  # a running eval is killed: its cores go to the last step
+        await asyncio.to_thread(evals.stop)
     await asyncio.to_thread(trainer.stop)
     if trackers is not None:
         await asyncio.to_thread(trackers.close)
