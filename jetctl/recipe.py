@@ -326,7 +326,9 @@ class GenerationConfig(_Strict):
     device: str | None = Field(
         default=None,
         description="device of the engine's own copy of the weights, e.g. cuda:1, refreshed "
-        "after each optimizer step (null: engine hf generates on the trainer's model object; "
+        "after each optimizer step (null: engine hf generates on the trainer's device, on the "
+        "trainer's model object with finetune: full, on its own copy of the adapter over the "
+        "shared base with lora; "
         "engine continuous keeps its copy on the trainer's device)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
@@ -458,7 +460,7 @@ class ModelConfig(_Strict):
     )
     engine: Literal["hf", "continuous", "vllm"] = Field(
         default="hf",
-        description="inference engine: hf (continuous batching on the trainer's model: "
+        description="inference engine: hf (continuous batching on the trainer's weights: "
         "newcomers join between decode steps), continuous (transformers' continuous batching "
         "with a paged KV cache; for CUDA) or vllm "
         "(experimental; needs vllm installed, CUDA)",

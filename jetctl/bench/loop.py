@@ -315,7 +315,7 @@ def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
 
 
 def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: float,
-             seed: int, *, dynamic_sampling: bool = False) -> RunFigures:
+             seed: int, *, dynamic_sampling: bool = False, round_groups: int = 2) -> RunFigures:
     from jetctl.recipe import Recipe
 
     rec = Recipe.model_validate(recipe)  # defaults filled in, as the swarm's server sees them
@@ -325,7 +325,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
         "model": rec.models[task.models[0]].model_dump(mode="json"),
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
-        "dynamic_sampling": dynamic_sampling,
+        "dynamic_sampling": dynamic_sampling, "round_groups": round_groups,
     }
     # the swarm's cut recipe wraps the env for latency; the loop wraps it itself
     if latency_s > 0:
@@ -361,7 +361,7 @@ def run(
     recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
     modes: list[str], task: str | None = None, out_dir: Path | None = None,
     progress: Any = None, loop_dynamic_sampling: bool = False,
-    algorithms: list[str] | None = None,
+    algorithms: list[str] | None = None, loop_groups: int = 2,
 ) -> list[RunFigures]:
     """Every (latency, algorithm, seed) run in each mode; `algorithms` None: the recipe's."""
     from jetctl.recipe import Recipe, load_recipe
@@ -387,7 +387,8 @@ def run(
                         fig = run_swarm(recipe, rd, latency, seed)
                     else:
                         fig = run_loop(recipe, rd, seconds, latency, seed,
-                                       dynamic_sampling=loop_dynamic_sampling)
+                                       dynamic_sampling=loop_dynamic_sampling,
+                                       round_groups=loop_groups)
                     fig.algorithm = Recipe.model_validate(recipe).models[
                         next(iter(recipe["models"]))].train.algorithm
                     results.append(fig)

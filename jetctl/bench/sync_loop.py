@@ -6,7 +6,8 @@ The fastest simple thing a user could write instead of a swarm, with the same mo
 agent, sampling and optimizer as the recipe's task:
 
     load the model (+ the same LoRA adapter), give torch every core; repeat:
-        run groups_per_step x G rollouts of the real agent, each in a thread, against an
+        run round_groups x G rollouts of the real agent (2 x G by default: the issue's
+        reference loop, whatever the recipe's groups_per_step), each in a thread, against an
         in-process OpenAI-style client; the calls they make are answered together by one
         left-padded `model.generate` per turn over the whole batch (the chat template is
         rendered once per distinct conversation: a group's G first calls share one);
@@ -22,8 +23,8 @@ agent, sampling and optimizer as the recipe's task:
         gradient clipping
 
 A round whose groups all scored the same has nothing to learn from and takes no step.
-`dynamic_sampling` (off by default) instead collects groups_per_step groups whose rewards
-differ before each step, as the swarm's trainer does. Nothing is spooled, checkpointed or
+`dynamic_sampling` (off by default) instead collects the recipe's groups_per_step groups
+whose rewards differ before each step, as the swarm's trainer does. Nothing is spooled, checkpointed or
 sent anywhere.
 
 It writes per-group rewards with their times, step times and CPU seconds to OUT.json for
@@ -60,6 +61,7 @@ class LoopSpec:
     latency_s: float = 0.0
     threads: int = 0  # torch threads (0: all cores)
     dynamic_sampling: bool = False  # step only on groups_per_step groups whose rewards differ
+    round_groups: int = 2  # groups generated per round (one generate per turn over them all)
 
 
 @dataclass
@@ -375,7 +377,7 @@ class SyncLoop:
         per_step = self.spec.model["train"]["groups_per_step"]
         ready: list[list[_Rollout]] = []
         while time.monotonic() - self.t0 < self.spec.seconds:
-            groups = self.rollouts(per_step)
+            groups = self.rollouts(self.spec.round_groups)
             for g in groups:
                 rewards = [r.reward for r in g]
                 self.out["groups"].append({

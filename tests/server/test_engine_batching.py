@@ -50,7 +50,9 @@ def engine(
     **generation: Any,
 ) -> HFEngine:
     model, eos = tiny()
-    cfg = ModelConfig(model="builtin:tiny", generation=GenerationConfig(**generation))
+    # on the trainer's model, behind `lock` (full fine-tuning; LoRA gets a staged replica)
+    cfg = ModelConfig(model="builtin:tiny", finetune="full",
+                      generation=GenerationConfig(**generation))
     e = make_engine(
         cfg, model, eos_token_ids=[eos], pad_token_id=eos, weights_lock=lock or WeightsLock(),
         version=version, on_batch=lambda n, _tokens, _s: sizes.append(n),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -47,6 +48,7 @@ async def test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly(
     s.engine.start()
     assert s.publish is not None
     replica = s.publish.__self__  # type: ignore[attr-defined]
+    replica.staged = False  # the waiting publish (continuous engines, full fine-tuning)
     caplog.set_level(logging.ERROR, "jetctl.server.engines")
     replica.gate.acquire()  # a generate batch that never lets go of the weights
     await asyncio.to_thread(s.step, seed=1)  # two attempts of 0.2 s, then the step goes on
@@ -71,6 +73,46 @@ async def test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly(
     with pytest.raises(PublishError, match="no new weights for 3 steps in a row"):
         await asyncio.to_thread(s.step, seed=5)
     replica.gate.release()
+    await s.engine.stop()
+
+
+async def test_a_staged_publish_does_not_wait_and_the_engine_takes_it_before_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = serve("hf-replica", generation=GenerationConfig(device="cpu", publish_timeout_s=0.2))
+    s.engine.start()
+    assert s.publish is not None
+    replica = s.publish.__self__  # type: ignore[attr-defined]
+    assert replica.staged, "an adapter-sized hf replica stages its publishes"
+    caplog.set_level(logging.ERROR, "jetctl.server.engines")
+    replica.gate.acquire()  # a batch in flight: the trainer must not wait for it
+    t0 = time.monotonic()
+    await asyncio.to_thread(s.step, seed=1)
+    assert time.monotonic() - t0 < 0.2 * 2  # a waiting publish would take two deadlines
+    assert replica.version == 0 and replica.pending() and replica.figures.missed_attempts == 0
+    replica.gate.release()
+
+    req = GenRequest(prompts(1)[0], max_tokens=6, temperature=1.0, top_p=1.0)
+    res = await s.engine.generate(req)
+    assert res.model_version == 1  # the engine applied the staged weights before serving
+    assert not replica.pending()
+    check_reply(s, req, res)  # and every token came from version 1's weights
+
+    await asyncio.to_thread(s.step, seed=2)  # an idle engine: copied at once
+    assert replica.version == 2 and not replica.pending()
+
+    replica.gate.acquire()  # an engine that never lets go: staged versions pile up, then fail
+    await asyncio.to_thread(s.step, seed=3)
+    await asyncio.sleep(0.25)
+    await asyncio.to_thread(s.step, seed=4)
+    await asyncio.to_thread(s.step, seed=5)
+    with pytest.raises(PublishError, match="no new weights for 3 steps in a row"):
+        await asyncio.to_thread(s.step, seed=6)
+    assert any("has not taken a staged version" in r.message for r in caplog.records)
+    replica.gate.release()
+    res = await s.engine.generate(req)
+    assert res.model_version == 6  # the newest staged version, whole
+    check_reply(s, req, res)
     await s.engine.stop()
 
 

@@ -69,7 +69,7 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
 # every engine that runs on a CPU (the CUDA runs are tests/gpu): hf on the trainer's model,
 # hf on a replica (what a second GPU gets), and transformers' continuous batching
 ENGINES: dict[str, dict[str, Any]] = {
-    "hf": {"engine": "hf"},
+    "hf": {"engine": "hf", "finetune": "full"},  # LoRA on hf gets a replica of the adapter
     "hf-replica": {"engine": "hf", "generation": GenerationConfig(device="cpu")},
     "continuous": {"engine": "continuous"},
 }
@@ -245,13 +245,41 @@ def test_the_recipe_picks_the_engine() -> None:
 
     engine = make_engine(
         ModelConfig(
-            model="builtin:tiny", engine="hf", generation=GenerationConfig(max_batch_size=3)
+            model="builtin:tiny", engine="hf", finetune="full",
+            generation=GenerationConfig(max_batch_size=3),
         ),
         model=None, eos_token_ids=[2], pad_token_id=2, weights_lock=threading.Lock(),
         version=lambda: 0,
     )
     assert isinstance(engine.engine, HFEngine) and engine.engine.max_batch_size == 3
     assert engine.publish is None  # it reads the trainer's own weights
+
+
+def test_a_lora_model_on_hf_generates_from_its_own_adapter_over_the_shared_base() -> None:
+    from jetctl.models import load_model
+
+    model, _ = load_model("builtin:tiny", attn_implementation="jetctl_tree", progress=False)
+    for name, p in model.named_parameters():  # the adapter's place: what training changes
+        p.requires_grad_("self_attn" in name)
+    serving = make_engine(
+        ModelConfig(model="builtin:tiny", engine="hf"), model, eos_token_ids=[2],
+        pad_token_id=2, weights_lock=threading.Lock(), version=lambda: 0,
+    )
+    assert serving.publish is not None  # the trainer publishes; its step never waits
+    replica = serving.publish.__self__  # type: ignore[attr-defined]
+    assert replica.staged
+    mine = dict(replica.model.named_parameters())
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # the replica's own copy, equal until the trainer steps
+            assert mine[name].data_ptr() != p.data_ptr() and torch.equal(mine[name], p), name
+        else:  # the frozen base is held once
+            assert mine[name] is p, name
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad).add_(1.0)
+    changed = next(n for n, p in model.named_parameters() if p.requires_grad)
+    assert not torch.equal(mine[changed], dict(model.named_parameters())[changed])
+    serving.publish(1)
+    assert torch.equal(mine[changed], dict(model.named_parameters())[changed])
 
 
 def test_engine_vllm_needs_cuda_and_says_so() -> None:

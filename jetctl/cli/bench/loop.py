@@ -29,6 +29,11 @@ def register(bench: typer.Typer) -> None:
             help="The loop steps only on groups_per_step groups whose rewards differ, as the "
             "swarm's trainer does (default: every round's groups are trained as they come).",
         )] = False,
+        loop_groups: Annotated[int, typer.Option(
+            help="Groups (prompts x G rollouts) the loop generates per round, one generate "
+            "per turn over them all (default 2: the reference loop; the recipe's "
+            "groups_per_step is the swarm's).", min=1,
+        )] = 2,
     ) -> None:
         """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
         sampling and optimizer; time to first step, s/step, trajectories/s, time to reward,
@@ -67,5 +72,6 @@ def register(bench: typer.Typer) -> None:
         results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
                          modes=mode_list, task=task, out_dir=out,
                          loop_dynamic_sampling=loop_dynamic_sampling, algorithms=algorithm_list,
+                         loop_groups=loop_groups,
                          progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
         console.print(bl.render(results))

@@ -61,8 +61,11 @@ def make_engine(
         gen.dtype, model, model_dtype=cfg.dtype, engine=cfg.engine,
         device=gen.device or cfg.device, threads=threads,
     )
-    # a device or a dtype of its own gives the engine a copy of the weights (a replica)
-    if cfg.engine == "hf" and gen.device is None and dtype.dtype is None:
+    # a device or a dtype of its own gives the engine a copy of the weights (a replica); so
+    # does a LoRA model on hf: the copy shares the frozen base and holds its own adapter, so
+    # the trainer's optimizer step never waits for the engine's batch to drain
+    same = gen.device is None and dtype.dtype is None
+    if cfg.engine == "hf" and same and cfg.finetune != "lora":
         return ServingEngine(
             HFEngine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
@@ -82,12 +85,15 @@ def make_engine(
     replica = Replica(
         model, device=gen.device or cfg.device, version=version(),
         timeout_s=gen.publish_timeout_s, gate=lock, dtype=dtype.dtype,
+        staged=cfg.engine == "hf",  # the trainer stages a step's weights and goes on
+        share_frozen=same,
     )
     if cfg.engine == "hf":
         engine: Engine = HFEngine(
             replica.model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
             weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
             batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch, threads=threads,
+            staged=replica if replica.staged else None,
         )
         return ServingEngine(engine, publish=replica.publish, dtype=dtype)
     from jetctl.server.engines.continuous import ContinuousEngine

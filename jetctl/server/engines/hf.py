@@ -27,7 +27,10 @@ One worker thread owns generation and runs a decode loop over the model's forwar
 * **Exact versions.** The worker holds the weights lock while any reply is in flight, so
   every token of a reply comes from one model version. When the trainer (or a checkpoint
   or weight snapshot) waits for the lock, the worker admits nobody new, finishes the
-  replies in flight and lets go; queued requests start at the next version.
+  replies in flight and lets go; queued requests start at the next version. On a replica
+  that publishes staged versions (`staged`, replica.py) the trainer does not wait: while a
+  staged version is pending the worker admits nobody new, and once the batch has drained
+  it applies that version under the lock before it serves again.
 * **Per-request sampling.** Temperature (0: greedy) and top_p are applied per row, so one
   batch serves every sampling setting. A request with a seed (the OpenAI `seed`) draws its
   tokens from a generator of its own, so its reply does not depend on what else shares
@@ -181,8 +184,10 @@ class HFEngine:
         on_batch: Callable[[int, int, float], None] | None = None,
         threads: int | None = None,
         kv_cache_bytes: int = KV_CACHE_BYTES,
+        staged: Any = None,  # a Replica publishing staged versions (pending, apply_staged)
     ) -> None:
         self.model = model
+        self._staged = staged
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
         self._lock = weights_lock
@@ -266,6 +271,8 @@ class HFEngine:
                 time.sleep(self.batch_wait_s)
             self._lock.acquire()
             try:
+                if self._staged is not None:  # nothing in flight: take the newest weights
+                    self._staged.apply_staged()
                 self._serve_one_version()
             except Exception as exc:  # a dead worker would leave every caller waiting
                 log.exception("the engine's worker failed outside a forward; what it held "
@@ -312,6 +319,8 @@ class HFEngine:
     def _may_admit(self) -> bool:
         """Newcomers join unless someone waits for the weights. With a plain lock, which
         cannot tell, only an empty batch takes newcomers (no one waits forever)."""
+        if self._staged is not None and self._staged.pending():
+            return False  # drain, then apply the staged version (_work)
         waiting = getattr(self._lock, "waiting", None)
         return not self._rows if waiting is None else waiting == 0
 
