@@ -119,11 +119,15 @@ async def _limit_after(tmp_path: Path, tokenizer: Any, files: dict[str, bytes],
         install_signal_handlers=False, drain_grace_s=5,
     ))
     run = asyncio.create_task(node.run())
+    whys: list[str] = []  # every reason the governor gave, in order (the last may be steady)
     try:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        status = node.status()
+            why = node.status()["concurrency_why"]
+            if not whys or whys[-1] != why:
+                whys.append(why)
+        status = {**node.status(), "whys": whys}
     finally:
         node.drain()
         assert await asyncio.wait_for(run, timeout=60) == 0
@@ -138,7 +142,9 @@ async def test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_i
 ) -> None:
     status = await _limit_after(tmp_path, tokenizer, tokenizer_files, WAITING, seconds=14)
     assert status["concurrency"] > START, status
-    assert status["concurrency_why"] == "trainer waits for groups; engine has room"
+    # raised for that reason (once the rollouts no longer fill the new limit in a window, a
+    # look says "steady": a loaded machine's CI run read that at the end)
+    assert "trainer waits for groups; engine has room" in status["whys"], status
 
 
 @pytest.mark.integration
