@@ -1,9 +1,11 @@
 """Inference engines behind one contract (`base.Engine`), picked by `models.<m>.engine`.
 
     hf          engines/hf.py: continuous batching (newcomers join between decode steps) on
-                the trainer's own model object, or on a replica when `generation.device` is
-                set (a second GPU) or the engine generates in another dtype than the
-                model's (`generation.dtype`; engines/dtype.py: what `auto` picks here)
+                the trainer's own model object (finetune: full), or on a replica: with
+                LoRA (the adapter copied, the frozen base shared; publishes staged), when
+                `generation.device` is set (a second GPU) or the engine generates in
+                another dtype than the model's (`generation.dtype`; engines/dtype.py:
+                what `auto` picks here)
     continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
                 always on a replica (`generation.device`, else the trainer's device)
     vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)

@@ -12,8 +12,8 @@ how they batch and where their weights live:
 - `busy_since` is the monotonic start of the work under way (None when idle): the server's
   watchdog treats a batch older than its stall limit as a hang.
 
-Engines that share the trainer's model object (hf) see each optimizer step under the weights
-lock; engines with a copy of their own get the weights pushed after each step (planned per
+Engines that share the trainer's model object (hf with finetune: full) see each optimizer
+step under the weights lock; engines with a copy of their own get the weights pushed after each step (planned per
 engine, see the engine's module docstring).
 """
 

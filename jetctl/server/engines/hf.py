@@ -1,4 +1,5 @@
-"""HF transformers engine: continuous batching on the trainer's own model object.
+"""HF transformers engine: continuous batching on the trainer's weights (its model object,
+or a replica: replica.py).
 
 One worker thread owns generation and runs a decode loop over the model's forward:
 

@@ -3,9 +3,9 @@
 Engines that do not generate on the trainer's model object (a second GPU, weights in
 another dtype, a continuous batching loop that must not see weights change under a
 running request, or the hf engine on a LoRA model, whose replica shares the frozen base
-with the trainer and owns only a copy of the adapter: `share_frozen`) serve a `Replica`: a deep copy of the trainer's model on `device` (its
-parameters in `dtype` when one is given, `generation.dtype`; each publish casts what it
-copies), with its own version. After each optimizer step the trainer thread calls
+with the trainer and owns only a copy of the adapter: `share_frozen`) serve a `Replica`:
+a deep copy of the trainer's model on `device` (its parameters in `dtype` when one is
+given, `generation.dtype`; each publish casts what it copies), with its own version. After each optimizer step the trainer thread calls
 `publish(version)`:
 
     acquire the engine's gate, at most `timeout_s`    (the engine finishes what it is running)
