@@ -25,6 +25,15 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 BF16_TOL = 0.02
 
 
+def _replica_engine(publish_timeout_s: float) -> tuple[Any, Replica]:
+    """A started hf engine on a replica (a second device's path) and that replica."""
+    s = serve("hf-replica", generation=GenerationConfig(
+        device="cpu", publish_timeout_s=publish_timeout_s))
+    s.engine.start()
+    assert s.publish is not None
+    return s, s.publish.__self__  # type: ignore[attr-defined]
+
+
 def test_a_publish_copies_only_what_training_changes() -> None:
     s = serve("hf")
     for name, p in s.model.named_parameters():
@@ -44,10 +53,7 @@ def test_a_publish_copies_only_what_training_changes() -> None:
 async def test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    s = serve("hf-replica", generation=GenerationConfig(device="cpu", publish_timeout_s=0.2))
-    s.engine.start()
-    assert s.publish is not None
-    replica = s.publish.__self__  # type: ignore[attr-defined]
+    s, replica = _replica_engine(publish_timeout_s=0.2)
     replica.staged = False  # the waiting publish (continuous engines, full fine-tuning)
     caplog.set_level(logging.ERROR, "jetctl.server.engines")
     replica.gate.acquire()  # a generate batch that never lets go of the weights
@@ -79,10 +85,7 @@ async def test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly(
 async def test_a_staged_publish_does_not_wait_and_the_engine_takes_it_before_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    s = serve("hf-replica", generation=GenerationConfig(device="cpu", publish_timeout_s=0.2))
-    s.engine.start()
-    assert s.publish is not None
-    replica = s.publish.__self__  # type: ignore[attr-defined]
+    s, replica = _replica_engine(publish_timeout_s=0.2)
     assert replica.staged, "an adapter-sized hf replica stages its publishes"
     caplog.set_level(logging.ERROR, "jetctl.server.engines")
     replica.gate.acquire()  # a batch in flight: the trainer must not wait for it

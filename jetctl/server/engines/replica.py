@@ -197,10 +197,28 @@ class Replica:
                     "max_new_tokens")
         elif caught_up:
             f.misses_in_a_row = 0
+        return self._published(t0)
+
+    def _published(self, t0: float) -> float:
+        f = self.figures
         f.published += 1
         f.last_s = time.perf_counter() - t0
         f.history_s = (f.history_s + [f.last_s])[-64:]
         return f.last_s
+
+    @torch.no_grad()
+    def _copy_holding_gate(self, version: int, t0: float) -> float:
+        """Copy now (the caller acquired the gate; released here); returns seconds."""
+        try:
+            with self._staging_lock:
+                self._staged_version = None  # older than what is copied now
+            self.version = -1  # a copy that fails halfway leaves no version to claim
+            self.figures.last_copy_s = self.copy_weights()
+            self.version = version
+        finally:
+            self.gate.release()
+        self.figures.misses_in_a_row = 0
+        return self._published(t0)
 
     def publish(self, version: int) -> float:
         """Make `version` (the trainer's weights right now) the replica's; returns seconds.
@@ -211,38 +229,12 @@ class Replica:
         """
         t0 = time.perf_counter()
         if self.staged:
-            if not self.gate.acquire(blocking=False):
-                return self._stage(version, t0)
-            try:  # idle: the engine takes the staged copy before it serves again anyway
-                with self._staging_lock:
-                    self._staged_version = None
-                self.version = -1
-                copy_s = self.copy_weights()
-                self.version = version
-            finally:
-                self.gate.release()
-            f = self.figures
-            f.published += 1
-            f.misses_in_a_row = 0
-            f.last_s = time.perf_counter() - t0
-            f.last_copy_s = copy_s
-            f.history_s = (f.history_s + [f.last_s])[-64:]
-            return f.last_s
+            if self.gate.acquire(blocking=False):
+                return self._copy_holding_gate(version, t0)
+            return self._stage(version, t0)
         for attempt in (1, 2):
             if self.gate.acquire(timeout=self.timeout_s):
-                try:
-                    self.version = -1  # a copy that fails halfway leaves no version to claim
-                    copy_s = self.copy_weights()
-                    self.version = version
-                finally:
-                    self.gate.release()
-                f = self.figures
-                f.published += 1
-                f.misses_in_a_row = 0
-                f.last_s = time.perf_counter() - t0
-                f.last_copy_s = copy_s
-                f.history_s = (f.history_s + [f.last_s])[-64:]
-                return f.last_s
+                return self._copy_holding_gate(version, t0)
             self.figures.missed_attempts += 1
             log.error(
                 "publishing version %d to the engine on %s missed its %.1fs deadline "
