@@ -11,21 +11,72 @@ rest: generation above all, with admission, gRPC and gathering), and `tokens/gen
 on), per task in `cost/tokens_by_task`. A task's CPU seconds are the server's apportioned by
 its share of the generated tokens.
 
-The run's summary (`jetctl status` on a finished run, the end of `jetctl up`) shows one line
-per model. Left out (planned, issue 28): GPU seconds, client CPU seconds and env wall time
-(they live on the client nodes), spend an env reports, the live `jetctl status` tables (its
-server figures come over a protocol this ledger does not change), trackers and bench outputs.
+Outside the server, each trajectory carries its share of its rollout's cost
+(`Trajectory.costs`, made on the client by `rollout_costs`): `usd/<kind>` (spend the env
+reported through `jetctl.env.Spending.cost`), `client_cpu_s` (the rollout process's CPU
+seconds, with the children it waited for) and `env_s` (wall seconds in the env's `open`
+and `reward`); a team rollout's cost is split evenly over its roles. The step row sums them
+over the groups the step consumed (`step_client_costs`): `cost/usd` (all kinds),
+`cost/usd/<kind>`, `cost/client_cpu_s`, `cost/env_s`, and per task in the log only
+`cost/client_by_task`. The trackers get every scalar of the row (jetctl/trackers.py).
+
+The run's summary (`jetctl status` on a finished run, the end of `jetctl up`) and the live
+`jetctl status` (the step logs of the servers on this host) show one line per model, with the
+server CPU seconds and, where an env reported spend, the dollars per 0.1 of reward gained;
+`jetctl bench loop` prints `Costs.per_step()` of the swarm. Left out (planned, issue 28): GPU
+seconds; the env's time inside the agent's tool calls (only its `open` and `reward` are
+timed); the spend of rollouts that failed or groups the server refused (their trajectories
+never reach a step); a server on another host in the live view (its step log stays there).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REWARD_WINDOW = 10  # steps: the reward gained is the mean of the last this many minus the first
 REWARD_STEP = 0.1  # the unit of reward gained the summary prices
+USD = "usd/"  # a Trajectory.costs key of spend: usd/<kind>
+CLIENT_CPU_S, ENV_S = "client_cpu_s", "env_s"  # the other Trajectory.costs keys
+
+
+def rollout_costs(timings: Mapping[str, float], usd: Mapping[str, float],
+                  roles: int = 1) -> dict[str, float]:
+    """A trajectory's `costs`: its share (1/roles: a team rollout's roles split it) of its
+    rollout's reported spend (kind -> USD), CPU seconds and env wall seconds."""
+    share = 1.0 / roles
+    out = {USD + kind: v * share for kind, v in sorted(usd.items())}
+    if "cpu_s" in timings:
+        out[CLIENT_CPU_S] = timings["cpu_s"] * share
+    env = [timings[k] for k in ("open_s", "reward_s") if k in timings]
+    if env:
+        out[ENV_S] = sum(env) * share
+    return out
+
+
+def step_client_costs(consumed: Iterable[tuple[str, Mapping[str, float]]],
+                      ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The step row's client-side figures from (task, trajectory costs) of every trajectory
+    the step consumed: its scalars (`cost/usd`, `cost/usd/<kind>`, `cost/client_cpu_s`,
+    `cost/env_s`, always present) and task -> summed costs (`cost/client_by_task`)."""
+    by_task: dict[str, dict[str, float]] = {}
+    for task, costs in consumed:
+        acc = by_task.setdefault(task, {})
+        for k, v in costs.items():
+            acc[k] = acc.get(k, 0.0) + v
+    total: dict[str, float] = {}
+    for acc in by_task.values():
+        for k, v in acc.items():
+            total[k] = total.get(k, 0.0) + v
+    usd = {k: v for k, v in total.items() if k.startswith(USD)}
+    scalars = {"cost/usd": sum(usd.values()),
+               "cost/client_cpu_s": total.get(CLIENT_CPU_S, 0.0),
+               "cost/env_s": total.get(ENV_S, 0.0)}
+    scalars.update({f"cost/{k}": v for k, v in sorted(usd.items())})
+    return scalars, {t: dict(sorted(c.items())) for t, c in sorted(by_task.items())}
 
 
 @dataclass(frozen=True)
@@ -33,6 +84,9 @@ class TaskCost:
     generated_tokens: int
     trained_tokens: int
     cpu_s: float  # the server's CPU seconds apportioned by generated tokens
+    usd: float = 0.0  # spend its env reported, all kinds
+    client_cpu_s: float = 0.0
+    env_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +100,10 @@ class Costs:
     tokens_trained: int
     reward_gain: float | None  # mean reward of the last REWARD_WINDOW steps minus the first
     tasks: dict[str, TaskCost] = field(default_factory=dict)
+    usd: float = 0.0  # spend the envs reported
+    usd_by_kind: dict[str, float] = field(default_factory=dict)
+    client_cpu_s: float = 0.0
+    env_s: float = 0.0
 
     @property
     def cpu_s_per_reward_step(self) -> float | None:
@@ -54,6 +112,30 @@ class Costs:
             return None
         return self.server_cpu_s / (self.reward_gain / REWARD_STEP)
 
+    @property
+    def usd_per_reward_step(self) -> float | None:
+        """Reported dollars per REWARD_STEP of reward gained (None: no gain, or no spend)."""
+        if self.reward_gain is None or self.reward_gain <= 0 or self.usd <= 0:
+            return None
+        return self.usd / (self.reward_gain / REWARD_STEP)
+
+    def per_step(self) -> dict[str, float | None]:
+        """The figures `jetctl bench loop` prints beside its ratios: server CPU seconds per
+        step row, split; reported dollars, client CPU and tokens per step row; the prices of
+        0.1 of reward gained."""
+        n = self.steps
+        return {
+            "server_cpu_s_per_step": self.server_cpu_s / n,
+            "train_cpu_s_per_step": self.train_cpu_s / n,
+            "generate_cpu_s_per_step": self.generate_cpu_s / n,
+            "publish_cpu_s_per_step": self.publish_cpu_s / n,
+            "client_cpu_s_per_step": self.client_cpu_s / n,
+            "usd_per_step": self.usd / n,
+            "tokens_generated_per_step": self.tokens_generated / n,
+            "cpu_s_per_0.1_reward": self.cpu_s_per_reward_step,
+            "usd_per_0.1_reward": self.usd_per_reward_step,
+        }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "steps": self.steps, "server_cpu_s": self.server_cpu_s,
@@ -61,6 +143,9 @@ class Costs:
             "publish_cpu_s": self.publish_cpu_s, "tokens_generated": self.tokens_generated,
             "tokens_trained": self.tokens_trained, "reward_gain": self.reward_gain,
             "cpu_s_per_0.1_reward": self.cpu_s_per_reward_step,
+            "usd": self.usd, "usd_by_kind": self.usd_by_kind,
+            "client_cpu_s": self.client_cpu_s, "env_s": self.env_s,
+            "usd_per_0.1_reward": self.usd_per_reward_step,
             "tasks": {t: vars(c) for t, c in self.tasks.items()},
         }
 
@@ -86,6 +171,17 @@ def read_costs(steps_log: Path) -> Costs | None:
             acc[0] += gen
             acc[1] += trained
     generated = sum(g for g, _ in by_task.values())
+    client: dict[str, dict[str, float]] = {}  # task -> summed Trajectory.costs
+    for r in rows:
+        for task, costs in r.get("cost/client_by_task", {}).items():  # rows before it had none
+            spend = client.setdefault(task, {})
+            for k, v in costs.items():
+                spend[k] = spend.get(k, 0.0) + v
+    kinds: dict[str, float] = {}
+    for costs in client.values():
+        for k, v in costs.items():
+            if k.startswith(USD):
+                kinds[k.removeprefix(USD)] = kinds.get(k.removeprefix(USD), 0.0) + v
     rewards = [float(r["reward/mean"]) for r in rows]
     window = min(REWARD_WINDOW, len(rewards) // 2)
     gain = (sum(rewards[-window:]) - sum(rewards[:window])) / window if window else None
@@ -98,20 +194,41 @@ def read_costs(steps_log: Path) -> Costs | None:
         tokens_generated=generated,
         tokens_trained=sum(t for _, t in by_task.values()),
         reward_gain=gain,
-        tasks={t: TaskCost(g, tr, server * g / generated if generated else 0.0)
+        tasks={t: _task_cost(g, tr, server * g / generated if generated else 0.0,
+                             client.get(t, {}))
                for t, (g, tr) in sorted(by_task.items())},
+        usd=sum(kinds.values()),
+        usd_by_kind=dict(sorted(kinds.items())),
+        client_cpu_s=sum(c.get(CLIENT_CPU_S, 0.0) for c in client.values()),
+        env_s=sum(c.get(ENV_S, 0.0) for c in client.values()),
+    )
+
+
+def _task_cost(generated: int, trained: int, cpu_s: float,
+               client: Mapping[str, float]) -> TaskCost:
+    return TaskCost(
+        generated, trained, cpu_s,
+        usd=sum(v for k, v in client.items() if k.startswith(USD)),
+        client_cpu_s=client.get(CLIENT_CPU_S, 0.0), env_s=client.get(ENV_S, 0.0),
     )
 
 
 def cost_line(model: str, costs: dict[str, Any]) -> str:
     """One summary line of a model's ledger (`Costs.to_json()`)."""
-    per = costs["cpu_s_per_0.1_reward"]
-    tasks = ", ".join(f"{t} {c['cpu_s']:.1f} s" for t, c in costs["tasks"].items())
+    per, usd_per = costs["cpu_s_per_0.1_reward"], costs["usd_per_0.1_reward"]
+    spend = costs["usd"] > 0
+    tasks = ", ".join(f"{t} {c['cpu_s']:.1f} s" + (f" ${c['usd']:.4f}" if spend else "")
+                      for t, c in costs["tasks"].items())
+    kinds = ", ".join(f"{k} ${v:.4f}" for k, v in costs["usd_by_kind"].items())
     return (
         f"cost {model}: server CPU {costs['server_cpu_s']:.1f} s (train "
         f"{costs['train_cpu_s']:.1f}, generate {costs['generate_cpu_s']:.1f}, publish "
-        f"{costs['publish_cpu_s']:.1f}) over {costs['steps']} steps; tokens generated "
-        f"{costs['tokens_generated']}, trained {costs['tokens_trained']}; per task: {tasks}; "
+        f"{costs['publish_cpu_s']:.1f}) over {costs['steps']} steps; client CPU "
+        f"{costs['client_cpu_s']:.1f} s, env {costs['env_s']:.1f} s; "
+        + (f"env spend ${costs['usd']:.4f} ({kinds}); " if spend else "")
+        + f"tokens generated {costs['tokens_generated']}, trained {costs['tokens_trained']}; "
+        f"per task: {tasks}; "
         + (f"{per:.1f} CPU s per 0.1 of reward gained" if per is not None
            else "no reward gained to price")
+        + (f", ${usd_per:.4f} per 0.1" if usd_per is not None else "")
     )

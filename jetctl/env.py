@@ -7,10 +7,16 @@ functions. A rollout runs in its own process group, so a timeout kills it whole.
 
     def make_env(**env_args) -> Env
     def agent(task: Task, llm: LLM, session: Session) -> None      # or async def
+
+A session that pays for something outside jetctl (a paid API, an LLM judge, a sandbox)
+reports it by mixing in `Spending` and calling `self.cost(usd=0.002, kind="judge")` (the
+agent may call `session.cost(...)` too). The spend travels with the rollout's trajectories
+and is summed per step and per task in the step rows (jetctl/costs.py).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +83,34 @@ class Session(Protocol):
 
     def close(self) -> None:
         ...
+
+
+class Spending:
+    """Mix into a Session to report spend outside jetctl, in US dollars by kind:
+
+        class JudgedSession(Spending):
+            def reward(self) -> float:
+                verdict = judge(...)
+                self.cost(usd=verdict.usage_usd, kind="judge")
+                ...
+
+    Needs no `__init__` call (works beside dataclasses). A failed rollout's spend is lost
+    with its trajectories (the server never sees them)."""
+
+    def cost(self, usd: float, kind: str = "api") -> None:
+        """Add `usd` (>= 0, finite) to this session's spend of `kind`."""
+        if not (isinstance(usd, (int, float)) and math.isfinite(usd) and usd >= 0):
+            raise ValueError(f"session.cost(usd={usd!r}): give a finite number of dollars >= 0")
+        if not kind or "/" in kind:
+            raise ValueError(f"session.cost(kind={kind!r}): name the kind without '/' "
+                             "(api, judge, sandbox)")
+        spent: dict[str, float] = self.__dict__.setdefault("_jetctl_spent", {})
+        spent[kind] = spent.get(kind, 0.0) + float(usd)
+
+
+def spent(session: object) -> dict[str, float]:
+    """kind -> US dollars a session reported through `Spending.cost` ({} for any other)."""
+    return dict(session.__dict__.get("_jetctl_spent", {})) if isinstance(session, Spending) else {}
 
 
 class Env(Protocol):

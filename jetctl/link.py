@@ -31,10 +31,11 @@ import grpc
 
 from jetctl.auth import bearer
 from jetctl.journal import Journal
+from jetctl.logs import LogShipper
 from jetctl.net import route_address
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cgrpc
-from jetctl.tls import TlsFiles, aio_channel
+from jetctl.tls import TlsFiles, aio_channel, channel
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class ControlLink:
         self._stub = cgrpc.ControlStub(self._channel)
         self.host = socket.gethostname()
         self.address = route_address(endpoint)  # this host as the controller sees it
+        # set after Join when the controller asks for this process's log lines (ship_logs)
+        self.log_shipper: LogShipper | None = None
         self.servers: dict[str, str] = {}  # model -> endpoint, as the controller said last
         self.refused: frozenset[str] = frozenset()
         self.drain_message = ""  # set when the controller says drain
@@ -150,6 +153,7 @@ class ControlLink:
             if journal is not None and self._held is not None:
                 records = journal.since(self._held, self._batch)
             more = len(records) == self._batch
+            lines = self.log_shipper.take() if self.log_shipper is not None else []
             request = cpb.SyncRequest(
                 name=who.name, kind=who.kind, task=who.task, model=who.model,
                 revision=who.revision, status_json=json.dumps(status),
@@ -160,12 +164,15 @@ class ControlLink:
                 ],
                 endpoint=endpoint, metrics=metrics, refused_revisions=sorted(refused),
                 final=final and not more and self._held is not None, host=self.host,
+                log_lines=lines,
             )
             try:
                 reply: cpb.SyncReply = await self._stub.Sync(
                     request, metadata=bearer(self._token), timeout=self._timeout
                 )
             except grpc.aio.AioRpcError as e:
+                if self.log_shipper is not None:
+                    self.log_shipper.put_back(lines)
                 if self.reachable:
                     log.warning("sync with controller %s failed: %s", self.endpoint_address,
                                 e.code().name)
@@ -197,3 +204,20 @@ class ControlLink:
     def endpoint(self, model: str) -> str:
         """The endpoint of `model`'s server the controller gave last ('' when none yet)."""
         return self.servers.get(model, "")
+
+
+# The CLI's one-shot Control calls (status, swap, down): blocking, a channel per call.
+
+
+def call_control(
+    endpoint: str,
+    token: str,
+    method: str,
+    request: Any,
+    timeout_s: float = 5.0,
+    tls: TlsFiles | None = None,
+) -> Any:
+    """One Control RPC with the run token (over TLS when `tls`); raises grpc.RpcError."""
+    with channel(endpoint, tls) as ch:
+        stub = cgrpc.ControlStub(ch)
+        return getattr(stub, method)(request, metadata=bearer(token), timeout=timeout_s)

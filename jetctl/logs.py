@@ -11,9 +11,14 @@ appends to `logs/<process>.jsonl` one object per record: `time` (epoch seconds),
 for a client node), plus `exc` with the traceback when there is one. The human format stays
 on the terminal and in `logs/<process>.log`.
 
-Left out: nodes on other hosts. Their lines stay in the run dir of the host they run on
-(`--run-dir` of `jetctl client`); the controller does not collect them yet, so `jetctl logs`
-on the controller's host shows only this host's processes.
+Nodes whose logs are not in the controller's run dir (a node that joined from another host,
+a Ray actor's node, a server the user runs: the Join reply's `ship_logs`) also ship their JSON
+lines to the controller with each Sync (`LogShipper`: INFO and up, at most SHIP_BYTES a
+sync, the oldest dropped and counted past SHIP_BACKLOG lines); the controller appends them
+to its own `logs/<node>.jsonl` (`LogSink`), so `jetctl logs` on the controller's host merges
+every node's lines. The controller trusts none of it: a line must be a JSON object of
+bounded size, its `process` is set to the node's authenticated name (no node writes another
+process's log), and a node's file stops growing past SINK_MAX_BYTES (counted, said once).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +68,116 @@ def install_json_log(paths: RunPaths, process: str, **fields: str) -> Path:
     # on the root logger: records of every logger that lets INFO through propagate to it
     logging.getLogger().addHandler(handler)
     return path
+
+
+SHIP_BYTES = 256 * 1024  # log bytes one Sync carries at most
+SHIP_BACKLOG = 20_000  # lines a node holds while the controller is away; then the oldest go
+LINE_MAX_BYTES = 16 * 1024  # a shipped line longer than this is refused by the controller
+SINK_MAX_BYTES = 256 * 1024 * 1024  # a node's shipped log stops growing at this size
+
+
+class LogShipper(logging.Handler):
+    """Holds the process's JSON log lines until a Sync takes them (`take`); a failed Sync
+    gives them back (`put_back`)."""
+
+    def __init__(self, process: str, fields: dict[str, str]) -> None:
+        super().__init__(level=logging.INFO)
+        self.setFormatter(JsonLineFormatter(process, fields))
+        self._lines: deque[str] = deque()
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
+            return
+        with self._lock:
+            self._lines.append(line)
+            while len(self._lines) > SHIP_BACKLOG:
+                self._lines.popleft()
+                self.dropped += 1
+
+    def take(self, max_bytes: int = SHIP_BYTES) -> list[str]:
+        out: list[str] = []
+        size = 0
+        with self._lock:
+            while self._lines and (not out or size + len(self._lines[0]) <= max_bytes):
+                line = self._lines.popleft()
+                out.append(line)
+                size += len(line)
+        return out
+
+    def put_back(self, lines: list[str]) -> None:
+        with self._lock:
+            self._lines.extendleft(reversed(lines))
+            while len(self._lines) > SHIP_BACKLOG:
+                self._lines.pop()  # the newest go: the oldest are what the controller lacks
+                self.dropped += 1
+
+
+def install_log_shipper(process: str, **fields: str) -> LogShipper:
+    """A `LogShipper` on the root logger (records of every logger propagate to it)."""
+    shipper = LogShipper(process, fields)
+    logging.getLogger().addHandler(shipper)
+    return shipper
+
+
+class LogSink:
+    """The controller's side: appends the lines each node shipped to `logs/<node>.jsonl`."""
+
+    def __init__(self, paths: RunPaths) -> None:
+        self.paths = paths
+        self._lock = threading.Lock()
+        self.refused = 0  # lines that were not a bounded JSON object
+        self.over = 0  # lines past a node's SINK_MAX_BYTES
+        self._full: set[str] = set()
+
+    def write(self, node: str, lines: list[str]) -> None:
+        kept: list[str] = []
+        for text in lines:
+            d = _json_object(text)
+            if d is None:
+                self.refused += 1
+                continue
+            d["process"] = node  # the authenticated name, whatever the line said
+            kept.append(json.dumps(d))
+        if not kept:
+            return
+        path = self.paths.json_log(node)
+        with self._lock:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            size = path.stat().st_size if path.exists() else 0
+            room = SINK_MAX_BYTES - size
+            fits = []
+            for line in kept:
+                if len(line) + 1 > room:
+                    self.over += 1
+                    continue
+                fits.append(line)
+                room -= len(line) + 1
+            if len(fits) < len(kept) and node not in self._full:
+                self._full.add(node)
+                logging.getLogger("jetctl.controller").warning(
+                    "%s's shipped log reached %d bytes: later lines are dropped", node,
+                    SINK_MAX_BYTES)
+            if fits:
+                with path.open("a", encoding="utf-8") as f:
+                    f.write("".join(line + "\n" for line in fits))
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    if len(text) > LINE_MAX_BYTES:
+        return None
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or not isinstance(d.get("time"), (int, float)) \
+            or not isinstance(d.get("message"), str):
+        return None
+    return d
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticUndefined
 
+from jetctl.deterministic import SEEDED_ENGINES
 from jetctl.server.algorithms import AlgorithmName  # the registry (imports no torch)
 
 # --------------------------------------------------------------------------- schema
@@ -989,6 +990,36 @@ class TrackerConfig(_Strict):
         return self
 
 
+class TracingConfig(_Strict):
+    """`run.tracing`: OpenTelemetry traces of every rollout, sent to an OTLP gRPC collector."""
+
+    otlp_endpoint: str = Field(
+        description="host:port of the collector's OTLP gRPC receiver (Jaeger, Grafana Tempo, "
+        "an OpenTelemetry Collector), e.g. localhost:4317; https://host:port for TLS (no "
+        "run.tracing: no traces)",
+    )
+
+    @model_validator(mode="after")
+    def _usable(self) -> TracingConfig:
+        problems = []
+        address = self.otlp_endpoint.removeprefix("http://").removeprefix("https://")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            problems.append(Problem(
+                ("otlp_endpoint",), self.otlp_endpoint,
+                "is not host:port: give the collector's OTLP gRPC address, e.g. localhost:4317",
+            ))
+        # find_spec, not import: the recipe imports light (jetctl.tracing imports it when on)
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+            problems.append(Problem(
+                ("otlp_endpoint",), self.otlp_endpoint,
+                "needs the OpenTelemetry SDK and its OTLP exporter: "
+                "pip install 'jetctl[tracing]'",
+            ))
+        _raise_problems(problems)
+        return self
+
+
 class RunConfig(_Strict):
     name: str = Field(default="run", description="run name; names the run directory")
     dir: str | None = Field(default=None, description="run directory (null: runs/<name>)")
@@ -1009,6 +1040,19 @@ class RunConfig(_Strict):
         default=1.0, gt=0, description="first delay before a dead process is restarted; doubles"
     )
     restart_backoff_max_s: float = Field(default=30.0, gt=0, description="cap on that delay")
+    tracing: TracingConfig | None = Field(
+        default=None,
+        description="OpenTelemetry traces, one per rollout: the node's rollout, each model "
+        "call and Generate, the env, Submit and the admission verdict, linked from the "
+        "optimizer step that trained it; {otlp_endpoint: host:4317} (null: off; "
+        "jetctl.tracing; pip install 'jetctl[tracing]')",
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="a seed for every Generate request (from the run, node, group, "
+        "trajectory and call) and each node's tasks, dataset rows included, in its seeded "
+        "order (jetctl.deterministic); needs engine: hf or continuous",
+    )
     trackers: list[TrackerConfig] = Field(
         default=[],
         description="experiment trackers each server sends its step rows, the recipe and a "
@@ -1055,6 +1099,8 @@ class Recipe(_Strict):
                     "10.0.0.5:6379, or auto for a cluster started on this host",
                 )
             )
+        engines = {name: model.engine for name, model in self.models.items()}
+        problems += _deterministic_problems(self.run.deterministic, engines)
         _raise_problems(problems)
         return self
 
@@ -1067,6 +1113,24 @@ class Recipe(_Strict):
     @property
     def run_dir(self) -> str:
         return self.run.dir or f"runs/{self.run.name}"
+
+
+def _deterministic_problems(deterministic: object, engines: Mapping[str, object]) -> list[Problem]:
+    """run.deterministic: every model's engine (`engines`: model -> engine) must honour a
+    request's seed."""
+    if deterministic is not True:
+        return []
+    return [
+        Problem(
+            ("models", name, "engine"),
+            engine,
+            f"is not an engine whose seeded replies repeat, which run.deterministic: true "
+            f"needs (vllm takes the seed, but its replies change with the batch they ran "
+            f"in): use engine: {' or '.join(SEEDED_ENGINES)}, or set run.deterministic: false",
+        )
+        for name, engine in engines.items()
+        if engine not in SEEDED_ENGINES
+    ]
 
 
 def _model_refs(model: object, roles: object) -> list[tuple[tuple[str, ...], str]]:
@@ -1307,7 +1371,15 @@ def _partial_problems(data: object) -> list[Problem]:
     models = {str(k): m for k, v in models_raw.items() if (m := _valid(ModelConfig, v))}
     tasks = {str(k): t for k, v in tasks_raw.items() if (t := _valid(TaskConfig, v))}
     names = [str(name) for name in models_raw]
-    return _recipe_problems(task_models, names, models, tasks)
+    run_raw = data.get("run")
+    engine_default = ModelConfig.model_fields["engine"].default
+    engines = {
+        str(k): v.get("engine", engine_default) for k, v in models_raw.items() if isinstance(v, dict)
+    }
+    deterministic = run_raw.get("deterministic") if isinstance(run_raw, dict) else None
+    return _recipe_problems(task_models, names, models, tasks) + _deterministic_problems(
+        deterministic, engines
+    )
 
 
 def _valid(cls: type[_M], raw: object) -> _M | None:

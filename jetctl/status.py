@@ -20,7 +20,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from jetctl.controller.service import call_control
+from jetctl.link import call_control
 from jetctl.proctree import pid_alive
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
@@ -320,7 +320,25 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
         for task, figures in _evals(Path(reply.run_dir)).items():
             tasks.setdefault(task, {})["eval"] = figures
     doc["tasks"] = tasks
+    if reply.run_dir:  # each local server's cost ledger so far (its step log, jetctl.costs)
+        models = [n.model for n in reply.nodes if n.kind == "server"]
+        costs = live_costs(Path(reply.run_dir), models)
+        if costs:
+            doc["costs"] = costs
     return doc
+
+
+def live_costs(run_dir: Path, models: list[str]) -> dict[str, dict[str, Any]]:
+    """model -> `Costs.to_json()` of its step log so far; a model whose server runs on
+    another host (its step log stays there) or has no step yet is left out."""
+    from jetctl.costs import read_costs
+
+    out: dict[str, dict[str, Any]] = {}
+    for model in sorted(set(models)):
+        costs = read_costs(RunPaths(run_dir).steps_log(model))
+        if costs is not None:
+            out[model] = costs.to_json()
+    return out
 
 
 def task_summary(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -596,6 +614,9 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
     ]
     parts += eval_lines(task_evals(doc))
     parts += signal_lines(doc)
+    from jetctl.costs import cost_line
+
+    parts += [Text(cost_line(model, c)) for model, c in (doc.get("costs") or {}).items()]
     if doc.get("ledger"):
         parts += [Text(""), ledger_line(doc["ledger"])]
     return Group(*parts)

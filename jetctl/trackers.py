@@ -8,7 +8,10 @@
 What each tracker gets, from every step row of one model's server:
 * every scalar of the row under the name the step log uses, prefixed by the model
   (`policy/reward/mean`; per-task keys keep their task in the name), at step = the row's
-  `step` (the model version);
+  `step` (the model version); among them the cost ledger's (jetctl/costs.py): the server's
+  CPU seconds `cost/server_cpu_s` split into `cost/train_cpu_s`, `cost/generate_cpu_s` and
+  `cost/publish_cpu_s`, the spend the envs reported `cost/usd` (and `cost/usd/<kind>`),
+  `cost/client_cpu_s`, `cost/env_s`, and `tokens/generated`, `tokens/trained`;
 * the run's recipe as the run's config (the token left out);
 * a sample of the step's rollouts (prompt, completion, reward, advantage, version) as a
   table where the tracker has tables (W&B, MLflow, trackio); TensorBoard gets it as a

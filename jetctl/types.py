@@ -55,6 +55,8 @@ class Trajectory:
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    # its share of the rollout's cost outside the server: usd/<kind>, client_cpu_s, env_s
+    costs: dict[str, float] = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up jetctl in ./.venv (idempotent): CPU torch pinned first, then the project and its
 # dev tools, the docker SDK, selenium and ray (the docker, browser and multihost test tiers),
-# and the experiment trackers of run.trackers (their read-back tests).
+# the experiment trackers of run.trackers (their read-back tests) and the OpenTelemetry
+# exporter of run.tracing (its OTLP test).
 # Usage: ./scripts/setup.sh   (then .venv/bin/jetctl ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 echo "[setup] installing jetctl and its dependencies"
 log=$(mktemp)
-if ! .venv/bin/pip install -q -e '.[dev,docker,browser,ray,trackers,research]' >"$log" 2>&1; then
+if ! .venv/bin/pip install -q -e '.[dev,docker,browser,ray,trackers,research,tracing]' >"$log" 2>&1; then
   grep -v "is ignored: it is neither" "$log" >&2; rm -f "$log"; exit 1
 fi
 rm -f "$log"

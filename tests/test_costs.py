@@ -59,3 +59,106 @@ def test_a_runs_steps_add_up_to_its_costs_and_the_summary_shows_them(tmp_path: P
     console.print(render_summary(summary))
     text = console.export_text()
     assert "cost policy: server CPU" in text and "tokens generated 27, trained 18" in text
+
+
+def test_bench_loop_prints_the_swarms_cost_per_step_beside_its_ratios(tmp_path: Path) -> None:
+    """`jetctl bench loop`'s table and JSON: the swarm's ledger per step row (from a real
+    trainer's step log), '-' for the loop, which keeps none."""
+    from dataclasses import asdict
+
+    from jetctl.bench.loop import figures, render
+
+    trainer = make_trainer(tmp_path, config(finetune="lora"))
+    for rewards in ((0.0, 1.0, 0.5), (1.0, 0.0, 2.0)):
+        submit(trainer, rewards=rewards)
+        assert step(trainer) is not None
+    costs = read_costs(trainer.steps_log)
+    assert costs is not None
+    per = costs.per_step()
+    assert per["server_cpu_s_per_step"] == pytest.approx(costs.server_cpu_s / 2)
+    assert per["tokens_generated_per_step"] == 9.0  # 3 x 3 completion tokens a step
+    assert per["usd_per_step"] == 0.0  # these groups report no spend
+
+    def run(mode: str) -> object:
+        groups = [{"t": float(t), "reward": 0.5, "n": 3, "informative": True}
+                  for t in range(1, 40)]
+        return figures(mode, 0.0, 0, wall_s=40.0, groups=groups, step_times=[10.0, 20.0],
+                       train=[], gen_batches=[], staleness=[], cpu_s={})
+
+    loop, swarm = run("loop"), run("swarm")
+    swarm.costs = per  # type: ignore[attr-defined]  # as run_swarm sets it after the run
+    console = Console(width=250, record=True)
+    console.print(render([loop, swarm]))  # type: ignore[list-item]
+    lines = console.export_text().splitlines()
+    def cells(label: str) -> list[str]:  # figure | loop | swarm | ratio
+        rows = [[c.strip() for c in line.strip().strip("│").split("│")] for line in lines]
+        return next(r for r in rows if r[0] == label)
+
+    assert cells("server CPU s per step") == [
+        "server CPU s per step", "-", f"{per['server_cpu_s_per_step']:.2f}", ""]
+    for part in ("train", "generate"):
+        key = f"{part}_cpu_s_per_step"
+        assert cells(f"{part} CPU s per step")[1:3] == ["-", f"{per[key]:.2f}"], part
+    assert cells("tokens generated per step")[1:3] == ["-", "9"]
+    assert asdict(swarm)["costs"]["train_cpu_s_per_step"] == per["train_cpu_s_per_step"]  # type: ignore[call-overload]
+
+
+def test_a_sessions_spend_adds_up_by_kind_and_a_bad_figure_is_refused() -> None:
+    from jetctl.env import Spending, spent
+
+    class Judged(Spending):
+        pass
+
+    s = Judged()
+    s.cost(usd=0.5, kind="judge")
+    s.cost(0.25, "judge")
+    s.cost(usd=1)  # kind api by default
+    assert spent(s) == {"judge": 0.75, "api": 1.0}
+    assert spent(object()) == {}  # a session that reports nothing
+    for usd, kind in ((-1.0, "api"), (float("nan"), "api"), (float("inf"), "api"),
+                      (1.0, ""), (1.0, "a/b")):
+        with pytest.raises(ValueError, match="session.cost"):
+            s.cost(usd=usd, kind=kind)
+    assert spent(s) == {"judge": 0.75, "api": 1.0}  # the refused figures left nothing
+
+
+def test_a_rollouts_costs_are_split_over_a_teams_roles_and_summed_per_task() -> None:
+    from jetctl.costs import rollout_costs, step_client_costs
+
+    timings = {"open_s": 0.25, "agent_s": 3.0, "reward_s": 0.5, "cpu_s": 1.0, "rollout_s": 4.0}
+    one = rollout_costs(timings, {"judge": 0.5})
+    assert one == {"usd/judge": 0.5, "client_cpu_s": 1.0, "env_s": 0.75}
+    half = rollout_costs(timings, {"judge": 0.5}, roles=2)  # each role's trajectory: half
+    assert half == {"usd/judge": 0.25, "client_cpu_s": 0.5, "env_s": 0.375}
+    scalars, by_task = step_client_costs(
+        [("a", one), ("a", one), ("b", half), ("b", {"usd/api": 2.0})])
+    assert scalars == {"cost/usd": 3.25, "cost/usd/api": 2.0, "cost/usd/judge": 1.25,
+                       "cost/client_cpu_s": 2.5, "cost/env_s": 1.875}
+    assert by_task["a"] == {"client_cpu_s": 2.0, "env_s": 1.5, "usd/judge": 1.0}
+    assert step_client_costs([])[0] == {"cost/usd": 0.0, "cost/client_cpu_s": 0.0,
+                                        "cost/env_s": 0.0}  # always there for the trackers
+
+
+@pytest.mark.parametrize("costs, fine", [
+    ({"usd/judge": 0.25, "client_cpu_s": 1.5, "env_s": 0.0}, True),
+    ({"usd/api": -0.01}, False), ({"usd/api": float("nan")}, False),
+    ({"client_cpu_s": float("inf")}, False), ({"usd/api": 2e9}, False),
+    ({f"usd/k{i}": 0.0 for i in range(17)}, False),
+    ({"usd/" + "k" * 300: 0.1}, False),  # a name past max_id_chars lands in every step row
+])
+def test_admission_refuses_cost_figures_that_would_corrupt_the_ledger(
+    costs: dict[str, float], fine: bool,
+) -> None:
+    from jetctl.proto.convert import group_to_pb
+    from jetctl.server.admission import Limits, check_group
+    from tests.factories import make_group
+
+    limits = Limits(model="policy", vocab_size=100, max_context_tokens=64, max_staleness=2)
+    g = make_group(version=3)
+    g.trajectories[1].costs = costs
+    for form in (g, group_to_pb(g)):  # as a dataclass and as Submit's protobuf
+        v = check_group(form, limits, 4, frozenset())
+        if fine:
+            assert v.outcome == "accepted", v.reason
+        else:
+            assert v.outcome == "invalid" and "costs" in v.reason, v.reason

@@ -635,8 +635,14 @@ ROWS: dict[str, Row] = {
                                "tests/test_trackers.py::test_recipe_refuses_mode_outside_wandb_and_a_missing_tracker")),
     "run.duration_s": CoveredBy(
         (f"{CONTROLLER}::test_duration_stops_the_run_and_sigkills_a_node_that_ignores_sigterm",)),
+    "run.tracing.otlp_endpoint": CoveredBy(
+        ("tests/test_tracing.py::test_one_rollout_is_one_trace_across_processes_linked_from_its_step",
+         "tests/test_tracing.py::test_a_wrong_tracing_field_is_refused_naming_it")),
     "run.restart_backoff_s": Effect(restart_backoff, integration=True),
     "run.restart_backoff_max_s": Effect(restart_backoff, integration=True),
+    "run.deterministic": CoveredBy(
+        ("tests/test_deterministic.py::test_two_deterministic_runs_generate_the_same_tokens",
+         "tests/test_deterministic.py::test_an_engine_whose_seeded_replies_do_not_repeat_is_refused")),
     "models.<name>.model": Effect(model_source),
     "models.<name>.device": Effect(model_device),
     "models.<name>.dtype": Effect(model_dtype),

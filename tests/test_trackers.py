@@ -8,6 +8,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +16,9 @@ from jetctl.recipe import Recipe, RecipeError, load_recipe
 from jetctl.server.algorithms.grpo import group_advantages
 from jetctl.trackers import Trackers, TrackingPlan, mlflow_uri, sample_rollouts
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from jetctl.server.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -197,3 +201,52 @@ def test_recipe_refuses_mode_outside_wandb_and_a_missing_tracker(
     rendered = e.value.render()
     assert "pip install 'jetctl[trackers]'" in rendered and "mlflow" in rendered
     assert "is a wandb option" in rendered
+
+
+def test_a_real_trainers_cost_figures_reach_tensorboard(tmp_path: Path) -> None:
+    """The cost ledger's scalars (jetctl/costs.py) of a real trainer's steps, read back from
+    TensorBoard's event files: the server's CPU split, the tokens, and the spend and client
+    figures its groups' trajectories carried (each trajectory: COSTS; 3 a group)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jetctl.proto.convert import group_to_pb
+    from tests.server.trainer_support import config, make_trainer, step
+
+    costs = {"usd/judge": 0.25, "client_cpu_s": 0.5, "env_s": 0.125}  # exact in float32
+    trainer = make_trainer(tmp_path, config(finetune="lora"))
+    trainer.trackers = _open(tmp_path, ["tensorboard"])
+    for rewards in ((0.0, 1.0, 0.5), (1.0, 0.0, 2.0)):
+        g = _group_with_costs(trainer, rewards, costs)
+        assert trainer.store.put(g, group_to_pb(g).SerializeToString()).result(5).outcome \
+            == "accepted"
+        assert step(trainer) is not None
+    trainer.trackers.close()
+    assert trainer.trackers.failures == 0
+    rows = [json.loads(line) for line in trainer.steps_log.read_text().splitlines()]
+
+    acc = EventAccumulator(str(tmp_path / "trackers" / "tensorboard" / "exp-policy"))
+    acc.Reload()
+
+    def read(tag: str) -> list[tuple[int, float]]:
+        return [(e.step, e.value) for e in acc.Scalars(f"policy/{tag}")]
+
+    assert read("cost/usd") == [(1, 0.75), (2, 0.75)]  # 3 trajectories x 0.25
+    assert read("cost/usd/judge") == [(1, 0.75), (2, 0.75)]
+    assert read("cost/client_cpu_s") == [(1, 1.5), (2, 1.5)]
+    assert read("cost/env_s") == [(1, 0.375), (2, 0.375)]
+    assert read("tokens/generated") == read("tokens/trained") == [(1, 9.0), (2, 9.0)]
+    for key in ("cost/server_cpu_s", "cost/train_cpu_s", "cost/generate_cpu_s",
+                "cost/publish_cpu_s"):  # the log's float64, as TensorBoard keeps it (float32)
+        assert read(key) == [(int(r["step"]), pytest.approx(r[key], rel=1e-6)) for r in rows]
+
+
+def _group_with_costs(trainer: Trainer, rewards: tuple[float, ...],
+                      costs: dict[str, float]) -> TrajectoryGroup:
+    from tests.factories import make_group
+    from tests.server.trainer_support import PROMPT
+
+    g = make_group(rewards=rewards, version=trainer.version, prompt=PROMPT,
+                   completion=(21, 22, 23))
+    for t in g.trajectories:
+        t.costs = dict(costs)
+    return g

@@ -76,6 +76,9 @@ class RunFigures:
     ledger: str = ""  # swarm: "balanced" or the problems
     run_dir: str = ""
     curve: list[tuple[float, float]] = field(default_factory=list)  # (t, rolling reward)
+    until: float | None = None  # the run stopped once its rolling reward reached this
+    # swarm: its cost ledger per step row (jetctl.costs.Costs.per_step), read after the run
+    costs: dict[str, float | None] = field(default_factory=dict)
 
 
 def figures(
@@ -251,7 +254,11 @@ def _role(cmdline: list[str]) -> str:
     return "other"
 
 
-def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int) -> RunFigures:
+def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int,
+              until: float | None = None) -> RunFigures:
+    """`until`: SIGTERM the run (it drains: the ledger still balances) once the mean reward of
+    its last WINDOW accepted groups reaches it."""
+    from jetctl.costs import read_costs
     from jetctl.ledger import build_ledger
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -268,8 +275,16 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
     )
     sampler = CpuSampler(proc.pid)
     sampler.start()
+    store = run_dir / f"server-{model}" / "store.sqlite"
+    watcher = None
+    if until is not None:
+        watcher = threading.Thread(target=_stop_when_reached, args=(proc, store, t0_wall, until),
+                                   daemon=True, name="bench-until")
+        watcher.start()
     _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # the watcher sees it: poll() is None no more
+    if watcher is not None:
+        watcher.join(timeout=5)
     wall = time.monotonic() - t0
     cpu = sampler.stop()
     cpu["all"] = usage.ru_utime + usage.ru_stime
@@ -280,7 +295,7 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
     steps = [json.loads(line) for line in (run_dir / "metrics" / f"{model}.steps.jsonl")
              .read_text().splitlines() if line.strip()]
     stepped = [s for s in steps if s.get("stepped", 1)]
-    groups = _store_groups(run_dir / f"server-{model}" / "store.sqlite", t0_wall)
+    groups = _store_groups(store, t0_wall)
     gen = [s["generate/batch_size_mean"] for s in steps if "generate/batch_size_mean" in s]
     fig = figures(
         "swarm", latency_s, seed, wall, groups,
@@ -294,7 +309,29 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
     fig.ledger = "balanced" if ledger.balanced else "NOT BALANCED: " + "; ".join(
         f"{p.kind} {p.trajectory_id}" for p in ledger.problems[:5])
     fig.run_dir = str(run_dir)
+    fig.until = until
+    ledger_costs = read_costs(run_dir / "metrics" / f"{model}.steps.jsonl")
+    fig.costs = ledger_costs.per_step() if ledger_costs is not None else {}
     return fig
+
+
+def _stop_when_reached(proc: subprocess.Popen[bytes], store: Path, t0_wall: float,
+                       until: float, interval_s: float = 2.0) -> None:
+    """Poll the store; SIGTERM `proc` once its rolling reward (last WINDOW groups) >= until."""
+    import signal
+
+    while proc.returncode is None:
+        time.sleep(interval_s)
+        if not store.exists():
+            continue
+        try:
+            groups = _store_groups(store, t0_wall)
+        except sqlite3.Error:  # the server is creating or migrating it
+            continue
+        if len(groups) >= WINDOW and sum(g["reward"] for g in groups[-WINDOW:]) / WINDOW >= until:
+            if proc.returncode is None:  # os.kill: Popen.poll() here would race the main wait4
+                os.kill(proc.pid, signal.SIGTERM)
+            return
 
 
 def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
@@ -315,7 +352,8 @@ def _store_groups(path: Path, t0_wall: float) -> list[dict[str, Any]]:
 
 
 def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: float,
-             seed: int, *, dynamic_sampling: bool = False, round_groups: int = 2) -> RunFigures:
+             seed: int, *, dynamic_sampling: bool = False, round_groups: int = 2,
+             until: float | None = None) -> RunFigures:
     from jetctl.recipe import Recipe
 
     rec = Recipe.model_validate(recipe)  # defaults filled in, as the swarm's server sees them
@@ -326,6 +364,7 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
         "task": task.model_dump(mode="json"),
         "seconds": seconds, "seed": seed, "latency_s": latency_s,
         "dynamic_sampling": dynamic_sampling, "round_groups": round_groups,
+        "until": until, "window": WINDOW,
     }
     # the swarm's cut recipe wraps the env for latency; the loop wraps it itself
     if latency_s > 0:
@@ -345,13 +384,15 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"the loop failed; see {out_dir / 'loop.log'}")
     out = json.loads(out_path.read_text())
-    return figures(
+    fig = figures(
         "loop", latency_s, seed, wall, out["groups"], out["steps"],
         list(zip(out["steps"], out["train_s"])),
         [float(b) for b in out["gen_batches"]], [0.0] * len(out["steps"]),
         {"loop": usage.ru_utime + usage.ru_stime, "all": usage.ru_utime + usage.ru_stime},
         step_groups=out.get("step_groups"),
     )
+    fig.until = until
+    return fig
 
 
 # --- the bench -------------------------------------------------------------------------
@@ -361,9 +402,10 @@ def run(
     recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
     modes: list[str], task: str | None = None, out_dir: Path | None = None,
     progress: Any = None, loop_dynamic_sampling: bool = False,
-    algorithms: list[str] | None = None, loop_groups: int = 2,
+    algorithms: list[str] | None = None, loop_groups: int = 2, until: float | None = None,
 ) -> list[RunFigures]:
-    """Every (latency, algorithm, seed) run in each mode; `algorithms` None: the recipe's."""
+    """Every (latency, algorithm, seed) run in each mode; `algorithms` None: the recipe's;
+    `until`: each run stops once its rolling reward reaches it (else after `seconds`)."""
     from jetctl.recipe import Recipe, load_recipe
 
     load_recipe(recipe_path)  # a broken recipe fails here, with its lines
@@ -384,15 +426,17 @@ def run(
                     recipe = task_recipe(raw, task, seconds=seconds, latency_s=latency,
                                          seed=seed, run_dir=rd, algorithm=algorithm)
                     if mode == "swarm":
-                        fig = run_swarm(recipe, rd, latency, seed)
+                        fig = run_swarm(recipe, rd, latency, seed, until=until)
                     else:
                         fig = run_loop(recipe, rd, seconds, latency, seed,
                                        dynamic_sampling=loop_dynamic_sampling,
-                                       round_groups=loop_groups)
+                                       round_groups=loop_groups, until=until)
                     fig.algorithm = Recipe.model_validate(recipe).models[
                         next(iter(recipe["models"]))].train.algorithm
                     results.append(fig)
-    (base / "bench-loop.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+                    # after every run: a bench stopped part way keeps the runs it finished
+                    (base / "bench-loop.json").write_text(
+                        json.dumps([asdict(r) for r in results], indent=1))
     return results
 
 
@@ -431,6 +475,23 @@ def _groups_to(threshold: float) -> Any:
 
 def _cpu(role: str) -> Any:
     return lambda r: r.cpu_s.get(role)
+
+
+# the swarm's step log (jetctl/costs.py): (label, Costs.per_step key, format)
+COST_ROWS = (
+    ("server CPU s per step", "server_cpu_s_per_step", "{:.2f}"),
+    ("  train CPU s per step", "train_cpu_s_per_step", "{:.2f}"),
+    ("  generate CPU s per step", "generate_cpu_s_per_step", "{:.2f}"),
+    ("  publish CPU s per step", "publish_cpu_s_per_step", "{:.3f}"),
+    ("client CPU s per step", "client_cpu_s_per_step", "{:.2f}"),
+    ("tokens generated per step", "tokens_generated_per_step", "{:.0f}"),
+    ("env spend $ per step", "usd_per_step", "{:.4f}"),
+    ("server CPU s per 0.1 reward", "cpu_s_per_0.1_reward", "{:.1f}"),
+)
+
+
+def _cost(key: str) -> Any:
+    return lambda r: r.costs.get(key)
 
 
 def render(results: list[RunFigures]) -> Any:
@@ -475,6 +536,8 @@ def render(results: list[RunFigures]) -> Any:
     ]
     roles = sorted({k for r in results for k in r.cpu_s if k not in ("all", "loop")})
     rows += [(f"  CPU s, {role}", _cpu(role), "{:.0f}") for role in roles]
+    if any(r.costs for r in results):  # the swarm's cost ledger (the loop keeps none)
+        rows += [(label, _cost(key), fmt) for label, key, fmt in COST_ROWS]
     for label, get, fmt in rows:
         cells: list[str] = []
         for cond in conditions:
@@ -508,4 +571,8 @@ def render(results: list[RunFigures]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
-    return Group(table, Text("ledger: " + "; ".join(ledgers) if ledgers else ""))
+    stops = sorted({r.until for r in results if r.until is not None})
+    note = (f"each run stopped once the mean reward of its last {WINDOW} groups reached "
+            f"{', '.join(f'{u:g}' for u in stops)} (else at --seconds): rows after that "
+            "threshold describe the stop, not a full run" if stops else "")
+    return Group(table, Text("ledger: " + "; ".join(ledgers) if ledgers else ""), Text(note))

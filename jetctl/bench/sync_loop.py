@@ -62,6 +62,8 @@ class LoopSpec:
     threads: int = 0  # torch threads (0: all cores)
     dynamic_sampling: bool = False  # step only on groups_per_step groups whose rewards differ
     round_groups: int = 2  # groups generated per round (one generate per turn over them all)
+    until: float | None = None  # stop once the mean reward of the last `window` groups reaches it
+    window: int = 20
 
 
 @dataclass
@@ -373,6 +375,13 @@ class SyncLoop:
 
     # --- the loop ----------------------------------------------------------------------
 
+    def reached(self) -> bool:
+        """`until` is set and the rolling reward of the last `window` groups has reached it."""
+        w, groups = self.spec.window, self.out["groups"]
+        if self.spec.until is None or len(groups) < w:
+            return False
+        return sum(g["reward"] for g in groups[-w:]) / w >= self.spec.until
+
     def run(self) -> dict[str, Any]:
         per_step = self.spec.model["train"]["groups_per_step"]
         ready: list[list[_Rollout]] = []
@@ -385,6 +394,8 @@ class SyncLoop:
                     "n": len(g), "informative": max(rewards) != min(rewards),
                     "version": self.version,
                 })
+            if self.reached():
+                break
             if not self.spec.dynamic_sampling:
                 self.step(groups)
                 continue

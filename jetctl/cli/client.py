@@ -188,12 +188,17 @@ async def _joined_node(
     except JoinRefused as e:
         await link.close()
         fail(f"the controller at {control} refused this node: {e}")
+    if reply.ship_logs:  # its log files are not in the controller's run dir: send its lines
+        from jetctl.logs import install_log_shipper
+
+        link.log_shipper = install_log_shipper(reply.name, task=o.task)
     task_cfg = TaskConfig.model_validate_json(reply.task_json)
     config = NodeConfig(
         name=reply.name, task_name=o.task, task=task_cfg, run_dir=run_dir, token=token,
         tls=tls, index=reply.index, revision=reply.revision, agent=o.agent or reply.agent,
         max_groups=o.max_groups, drain_grace_s=o.drain_grace_s, metrics_port=o.metrics_port,
         endpoints=_endpoint_overrides(task_cfg), link=link,
+        deterministic_run=reply.run if reply.deterministic else None,
     )
     return await ClientNode(config).run()
 
@@ -218,6 +223,7 @@ async def _lone_node(
         revision=o.revision or "default", agent=o.agent, max_groups=o.max_groups,
         drain_grace_s=o.drain_grace_s, metrics_port=o.metrics_port,
         endpoints=_endpoint_overrides(recipe.tasks[o.task]),
+        deterministic_run=recipe.run.name if recipe.run.deterministic else None,
     )
     return await ClientNode(config).run()
 

@@ -10,6 +10,7 @@ refuses and its store's ledger records; `--run-dir` is its own folder (store, ch
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -108,7 +109,15 @@ async def _joined_server(
     except JoinRefused as e:
         await link.close()
         fail(f"the controller at {control} refused this server: {e}")
+    if reply.ship_logs:  # its log files are not in the controller's run dir: send its lines
+        from jetctl.logs import install_log_shipper
+
+        link.log_shipper = install_log_shipper(reply.name, model=model)
     cfg = ModelConfig.model_validate_json(reply.model_json)
+    if (json.loads(reply.recipe_json or "{}").get("run") or {}).get("deterministic"):
+        from jetctl.deterministic import use_deterministic_torch
+
+        use_deterministic_torch()  # before the model loads, as `--recipe` does
     try:
         tracking = TrackingPlan.from_json(reply.recipe_json)
     except ValidationError as exc:  # a tracker the recipe names is not installed here
@@ -123,6 +132,7 @@ async def _lone_server(
     no_train: bool, tls_mode: str | None, tls_dir: Path | None,
 ) -> int:
     from jetctl.cli.client import node_tls
+    from jetctl.deterministic import use_deterministic_torch
     from jetctl.recipe import RecipeError, load_recipe
     from jetctl.tls import tls_files
     from jetctl.trackers import TrackingPlan
@@ -134,6 +144,8 @@ async def _lone_server(
     if model not in rec.models:
         fail(f"model {model!r} is not in {recipe} (models: {', '.join(rec.models)})")
     tls = node_tls(tls_mode, tls_dir, run_dir) if tls_mode else tls_files(rec.run.tls, run_dir)
+    if rec.run.deterministic:  # the trainer's (and the engine's) torch ops: deterministic ones
+        use_deterministic_torch()
     return await _serve(model, rec.models[model], token, run_dir, port, metrics_port, no_train,
                         tls, None, TrackingPlan.from_recipe(rec))
 

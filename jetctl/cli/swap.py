@@ -43,7 +43,7 @@ def swap_clients(
     """Swap a task's client nodes to a new revision (new image or agent); training goes on."""
     import grpc
 
-    from jetctl.controller.service import call_control
+    from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
     from jetctl.status import controller_alive

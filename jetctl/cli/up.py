@@ -215,7 +215,7 @@ def down(
     """Stop a run: drain clients, then servers, and wait until the controller exits."""
     import grpc
 
-    from jetctl.controller.service import call_control
+    from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
     from jetctl.status import controller_alive

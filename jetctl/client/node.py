@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 
+from jetctl import tracing
 from jetctl.client.concurrency import START, Governor
 from jetctl.client.delivery import Delivery, DeliveryOptions, short_error
 from jetctl.client.metrics import ClientMetrics, NodeStats
@@ -81,6 +82,7 @@ class NodeConfig:
     run_dir: Path  # the node's own folder: spool/<name>.sqlite (and logs)
     token: str
     index: int = 0
+    deterministic_run: str | None = None  # run.deterministic: the run's name seeds the calls
     revision: str = "default"
     agent: str | None = None  # overrides task.agent
     max_groups: int | None = None  # stop after this many groups (tests, benchmarks)
@@ -190,6 +192,7 @@ class ClientNode:
     async def run(self) -> int:
         """The whole life of a node; returns the process exit code."""
         loop = asyncio.get_running_loop()
+        tracing.start("jetctl-client", self.config.name)  # if the environment names a collector
         if self.config.install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.drain)
@@ -350,7 +353,7 @@ class ClientNode:
             ProductionConfig(
                 node=cfg.name, task_name=cfg.task_name, task=cfg.task,
                 agent=cfg.agent_spec, revision=cfg.revision, index=cfg.index,
-                max_groups=cfg.max_groups,
+                max_groups=cfg.max_groups, deterministic_run=cfg.deterministic_run,
             ),
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
             draining=self._draining, on_spooled=self._wake_senders,

@@ -28,6 +28,12 @@ role's trajectory (ids of its own, made before the rollouts start, with the roll
 role's model, with the role's reward (`session.reward()` may return one per role; else every
 role gets the shared one). A role's group stands or falls alone (fewer than 2 ok: dropped),
 and the groups of one batch of rollouts are spooled in one transaction.
+
+`run.deterministic: true` (`deterministic_run` set; jetctl.deterministic): each rollout's
+requests are seeded from the run, the node, the group's ordinal on the node and the
+rollout's place in it (recorded on each trajectory as `metadata["seeded_at"]`:
+"group/trajectory"), and a dataset env's rows come from its own seeded `tasks(rng)`, not
+from leases.
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jetctl import tracing
 from jetctl.client.concurrency import Governor, Slots
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.proxy import Proxy
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
 from jetctl.client.rows import Picked, TaskSource, task_source
 from jetctl.client.spool import Spool, SpooledGroup
+from jetctl.costs import rollout_costs
+from jetctl.deterministic import RolloutSeeds
 from jetctl.env import Task
 from jetctl.link import ControlLink
 from jetctl.proto.convert import group_to_pb
@@ -65,6 +74,7 @@ class ProductionConfig:
     agent: str  # module:function
     revision: str
     index: int = 0  # seeds the task stream
+    deterministic_run: str | None = None  # run.deterministic: the run's name; None: off
     max_groups: int | None = None  # stop after this many groups (tests, benchmarks)
 
 
@@ -85,6 +95,7 @@ class _Group:
     task: Task
     rollout_ids: list[str]
     parts: list[_Part]  # one per role (one for a task without roles)
+    ordinal: int  # the group's place among the node's groups (0, 1, ...): seeds its calls
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,7 @@ class Producer:
             env, self._link, node=cfg.node, task=cfg.task_name,
             rng=random.Random(cfg.task.seed + cfg.index),
             block=math.ceil(self.slots.limit / cfg.task.group_size) + 1, stop=self._draining,
+            leased=cfg.deterministic_run is None,  # deterministic: rows in the seeded order
         )
 
     async def run(self) -> None:
@@ -169,7 +181,7 @@ class Producer:
             if picked is None:
                 log.info("the env's task stream ended after %d groups", started)
                 break
-            group = self._start_group(picked.task)
+            group = self._start_group(picked.task, started)
             job = asyncio.create_task(self._run_group(group))
             job.add_done_callback(functools.partial(_row_done, tasks, picked))
             inflight[job] = group
@@ -190,7 +202,7 @@ class Producer:
             self.metrics.concurrency.set(decision.limit)
             log.info("concurrency %d: %s", decision.limit, decision.why)
 
-    def _start_group(self, task: Task) -> _Group:
+    def _start_group(self, task: Task, ordinal: int) -> _Group:
         """The ids of a task's group: each role's part of the rollouts becomes a group for
         that role's model (a task without roles: one part, whose ids are the rollouts'),
         recorded in the spool before anything runs: if the node dies now, they are lost."""
@@ -202,7 +214,7 @@ class Producer:
         ]
         for part in parts:
             self.spool.start(part.group_id, part.trajectory_ids, model=part.model)
-        return _Group(task, rollout_ids, parts)
+        return _Group(task, rollout_ids, parts, ordinal)
 
     def _settle(self, finished: asyncio.Task[None], group: _Group) -> None:
         """Read a finished group task's outcome. On an error it is logged with its cause and
@@ -235,7 +247,10 @@ class Producer:
     async def _run_group(self, group: _Group) -> None:
         """`group_size` rollouts of one task, spooled as one group per part (role)."""
         task, rollout_ids, parts = group.task, group.rollout_ids, group.parts
-        runs = [asyncio.create_task(self._run_rollout(task, rid)) for rid in rollout_ids]
+        runs = [
+            asyncio.create_task(self._run_rollout(task, rid, self._seeds(group.ordinal, i)))
+            for i, rid in enumerate(rollout_ids)
+        ]
         try:
             rollouts = await asyncio.gather(*runs)
         except BaseException:
@@ -333,12 +348,20 @@ class Producer:
             error=error,
             timings=dict(result.timings),
             metadata=metadata,
+            costs=rollout_costs(result.timings, result.usd, roles=len(self._roles)),
         )
 
-    async def _run_rollout(self, task: Task, rollout_id: str) -> _Rollout:
+    def _seeds(self, group: int, trajectory: int) -> RolloutSeeds | None:
+        """The seeds of a rollout's calls in a deterministic run (None: unseeded)."""
+        run = self.config.deterministic_run
+        return None if run is None else RolloutSeeds(run, self.config.node, group, trajectory)
+
+    async def _run_rollout(
+        self, task: Task, rollout_id: str, seeds: RolloutSeeds | None
+    ) -> _Rollout:
         cfg = self.config
         async with self.slots:
-            self.proxy.open(rollout_id)
+            self.proxy.open(rollout_id, seeds)
             roles = tuple(self._roles) if self._team else ()
             spec = RolloutSpec(
                 env=cfg.task.env,
@@ -346,6 +369,7 @@ class Producer:
                 agent=cfg.agent,
                 task=task,
                 base_url=self.proxy.base_url(rollout_id),
+                traceparent=tracing.traceparent(rollout_id),
                 model=roles[0] if roles else next(iter(self._roles.values())),
                 roles=roles,
             )
@@ -363,7 +387,10 @@ class Producer:
                 timings=result.timings,
             )
         self._count_rollout(result)
-        metadata = {"reused_prompts": str(sum(t.reused for t in timeline.turns))}
+        metadata = {"reused_prompts": str(sum(t.reused for t in timeline.turns)),
+                    **tracing.carrier(rollout_id)}  # the trajectory's rollout span
+        if seeds is not None:
+            metadata["seeded_at"] = f"{seeds.group}/{seeds.trajectory}"
         return _Rollout(result, calls, metadata)
 
     def _count_rollout(self, result: RolloutResult) -> None:

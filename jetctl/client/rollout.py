@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jetctl import proctree
-from jetctl.env import LLM, Task
+from jetctl import proctree, tracing
+from jetctl.env import LLM, Task, spent
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class RolloutSpec:
     base_url: str  # this rollout's proxy URL
     model: str
     roles: tuple[str, ...] = ()  # a team task's roles (the names the agent may call)
+    traceparent: str = ""  # the rollout's span (jetctl.tracing; "": not traced)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class RolloutResult:
     error_type: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     role_rewards: dict[str, float] = field(default_factory=dict)  # {}: every role gets reward
+    usd: dict[str, float] = field(default_factory=dict)  # kind -> spend the session reported
 
 
 def read_reward(raw: object) -> tuple[float, dict[str, float]]:
@@ -148,7 +150,8 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         finally:
             session.close()
         result = RolloutResult(
-            status="ok", reward=reward, timings=timings, role_rewards=role_rewards
+            status="ok", reward=reward, timings=timings, role_rewards=role_rewards,
+            usd=spent(session),
         )
     except BaseException as e:  # noqa: BLE001  # the rollout's failure is data for the parent, whatever it is
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -157,6 +160,9 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         result = RolloutResult(
             status="failed", error=text, error_type=type(e).__name__, timings=timings
         )
+    cpu = os.times()  # a forked child's counters start at 0; with the children it waited for
+    result.timings["cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+    tracing.rollout_process(spec.traceparent, t0, result.timings)
     conn.send(result)
     conn.close()
 

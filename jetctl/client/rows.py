@@ -166,10 +166,12 @@ def has_positions(env: Any) -> bool:
 
 def task_source(
     env: Any, link: ControlLink | None, *, node: str, task: str, rng: random.Random, block: int,
-    stop: asyncio.Event,
+    stop: asyncio.Event, leased: bool = True,
 ) -> TaskSource:
     """`LeasedRows` for an env with positions on a node with a controller, else `EnvStream`.
-    `stop` set (the node drains) ends a wait for rows that other nodes hold."""
-    if link is not None and has_positions(env):
+    `stop` set (the node drains) ends a wait for rows that other nodes hold. `leased=False`
+    (run.deterministic): always `EnvStream`, so a dataset's rows come in the order `rng`
+    draws, not in the order the run's nodes happen to ask for them."""
+    if leased and link is not None and has_positions(env):
         return LeasedRows(env, link, node, task, block, stop)
     return EnvStream(iter(env.tasks(rng)))

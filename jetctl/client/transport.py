@@ -47,6 +47,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from jetctl import tracing
 from jetctl.auth import bearer
 from jetctl.client.backend import BackendError, GenerateParams, GenerateResult
 from jetctl.proto._gen import swarm_pb2 as pb
@@ -361,9 +362,10 @@ class SwarmTransport:
         bounded, and the rollout waits instead of failing."""
 
         async def call(stub: pb_grpc.SwarmStub) -> pb.GenerateReply:
-            return await stub.Generate(
-                request, metadata=self._metadata(), timeout=self.generate_timeout_s
-            )
+            with tracing.generate_call() as traced:  # () unless traced: the span's context
+                return await stub.Generate(
+                    request, metadata=self._metadata() + traced, timeout=self.generate_timeout_s
+                )
 
         policy = RetryPolicy(attempts=4, base_s=0.2, max_s=2.0, total_s=10.0)
         deadline = time.monotonic() + self.generate_timeout_s
@@ -390,7 +392,8 @@ class SwarmTransport:
                 request, metadata=self._metadata(), timeout=self.call_timeout_s
             )
 
-        reply: pb.SubmitReply = await self._retrying(call)
+        with tracing.submit_call(groups):
+            reply: pb.SubmitReply = await self._retrying(call)
         return reply
 
     async def pull_weights(self, have_version: int) -> Weights | None:

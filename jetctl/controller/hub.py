@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from jetctl.controller.received import Received
 from jetctl.controller.state import Node, Report, RunState, TaskRevision, server_node_name
 from jetctl.journal import Record
+from jetctl.logs import LogSink
 from jetctl.proto._gen import control_pb2 as cpb
 
 log = logging.getLogger("jetctl.controller")
@@ -46,6 +47,7 @@ class Hub:
         self.state = state
         self.recipe = state.recipe
         self.received = received
+        self.logs = LogSink(state.paths)  # lines of nodes whose logs are not in this run dir
 
     # ------------------------------------------------------------------ join
 
@@ -77,7 +79,8 @@ class Hub:
             name=node.name, run=self.recipe.run.name, revision=node.revision, index=node.index,
             agent=node.agent or tcfg.agent, task_json=tcfg.model_dump_json(exclude_unset=True),
             tls_mode=self.recipe.run.tls.mode, servers=self.state.servers(),
-            refused_revisions=sorted(refused),
+            refused_revisions=sorted(refused), deterministic=self.recipe.run.deterministic,
+            ship_logs=_ships_logs(node),
         )
 
     def _joined(self, task: str, name: str, revision: str, index: int, host: str) -> Node:
@@ -115,6 +118,7 @@ class Hub:
             model_json=self.recipe.models[req.model].model_dump_json(exclude_unset=True),
             tls_mode=self.recipe.run.tls.mode, refused_revisions=sorted(refused),
             recipe_json=self.recipe.model_dump_json(exclude={"run": {"token"}}),
+            ship_logs=_ships_logs(node),
         )
 
     # ------------------------------------------------------------------ sync
@@ -153,6 +157,8 @@ class Hub:
             # a server refuses the credentials of the nodes a swap retired (jetctl.auth)
             revoked = sorted(self.state.retired) if req.kind == "server" else []
         held = self._apply(req)
+        if req.log_lines and node is not None and _ships_logs(node):
+            self.logs.write(node.name, list(req.log_lines))
         message = ""
         if node is None:
             message = f"the controller does not know {req.name!r} (retired, or the run ended)"
@@ -178,3 +184,10 @@ class Hub:
         return self.received.apply(
             name=source, kind=req.kind, journal=req.journal, records=records, final=req.final
         )
+
+
+def _ships_logs(node: Node) -> bool:
+    """A node whose log files are not in this run dir: one that joined by hand or a server
+    the user runs (another host, or another run dir), and a Ray actor's node (its host's
+    work dir). The process and docker runtimes write to this run dir's logs/ already."""
+    return not node.managed or node.runtime == "ray"

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from jetctl import auth
+from jetctl import auth, tracing
+from jetctl.controller.probe import ServerProbe
 from jetctl.controller.runtimes.base import (
     ContainerSpec,
     Mount,
@@ -42,7 +43,6 @@ from jetctl.controller.runtimes.base import (
     Placement,
     Runtime,
 )
-from jetctl.controller.service import ServerProbe
 from jetctl.controller.state import (
     FIRST_REVISION,
     Node,
@@ -330,6 +330,8 @@ class Reconciler:
         side reads; a server dials the controller too), and for a server on this host the
         run's docker network gateway to listen on too."""
         env = {CONTROL_ENV: self.state.endpoint if remote else self.control, TOKEN_ENV: self.token}
+        env.update(tracing.environment(self.recipe.run.tracing.otlp_endpoint
+                                       if self.recipe.run.tracing else None))
         gateway = self.container_gateway()
         if kind == "server" and not remote and gateway is not None:
             env[LISTEN_ALSO_ENV] = gateway

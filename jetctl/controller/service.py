@@ -1,5 +1,6 @@
-"""gRPC glue of the controller: the `Control` servicer, its token check, and the calls the
-controller makes to the swarm servers (health, `Status`).
+"""gRPC glue of the controller: the `Control` servicer and its token check. The controller's
+calls to the swarm servers are probe.py's; the CLI's calls to the controller are
+`jetctl.link.call_control`.
 
 The servicer is thin: it hands each request to the `Controller` (and the nodes' `Join` and
 `Sync` to its `Hub`, hub.py). `Scale` answers UNIMPLEMENTED for now.
@@ -7,23 +8,20 @@ The servicer is thin: it hands each request to the `Controller` (and the nodes' 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jetctl import auth
+from jetctl.controller.hub import Refusal
+from jetctl.controller.rows import RowsCall, RowsRefused
 from jetctl.net import WILDCARDS
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cgrpc
-from jetctl.proto._gen import swarm_pb2 as spb
-from jetctl.proto._gen import swarm_pb2_grpc as sgrpc
-from jetctl.tls import TlsFiles, add_port, channel
+from jetctl.tls import TlsFiles, add_port
 
 if TYPE_CHECKING:
     from jetctl.controller.controller import Controller
@@ -108,8 +106,6 @@ class ControlServicer(cgrpc.ControlServicer):
         return cpb.SwapReply(ok=result.ok, message=result.message, revision=result.revision)
 
     def Join(self, request: cpb.JoinRequest, context: grpc.ServicerContext) -> cpb.JoinReply:
-        from jetctl.controller.hub import Refusal
-
         self._own_name_only(context, request.name)
         try:
             return self._c.hub.join(request)
@@ -123,8 +119,6 @@ class ControlServicer(cgrpc.ControlServicer):
 
     def Rows(self, request: cpb.RowsRequest, context: grpc.ServicerContext) -> cpb.RowsReply:
         """A dataset task's rows: a node leases, acks and releases positions (rows.py)."""
-        from jetctl.controller.rows import RowsCall, RowsRefused
-
         self._own_name_only(context, request.name)
         call = RowsCall(
             name=request.name, task=request.task, n_rows=request.n_rows,
@@ -189,75 +183,3 @@ def serve_control(
 def listen_also_hosts(host: str, also: list[str]) -> list[str]:
     """`also`, less `host` itself, and none when `host` is a wildcard bind already."""
     return [] if host in WILDCARDS else [a for a in also if a != host]
-
-
-# The probe's channel exists before its server listens (the server loads its model first,
-# up to a minute), so its first connects fail; gRPC's default reconnect backoff (1 s, x1.6,
-# up to 120 s) had then grown to several seconds, and the controller saw a server as up
-# ~8 s after it logged "serving". Short, capped backoff: a server is seen within ~0.5 s.
-PROBE_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
-]
-
-
-class ServerProbe:
-    """Health and `Status` calls to one swarm server, on one cached channel."""
-
-    def __init__(
-        self, endpoint: str, token: str, timeout_s: float = 1.0, tls: TlsFiles | None = None
-    ) -> None:
-        self.endpoint = endpoint
-        self._token = token
-        self._timeout_s = timeout_s
-        self._channel = channel(endpoint, tls, options=PROBE_CHANNEL_OPTIONS)
-
-    def healthy(self) -> bool:
-        """gRPC health says SERVING (health needs no token)."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s)
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    def status(self) -> dict[str, Any] | None:
-        """The server's `Status` reply as a JSON-ready dict, or None when it does not answer."""
-        stub = sgrpc.SwarmStub(self._channel)
-        try:
-            reply = stub.Status(
-                spb.StatusRequest(), metadata=auth.bearer(self._token), timeout=self._timeout_s
-            )
-        except grpc.RpcError:
-            return None
-        return status_to_dict(reply)
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-def status_to_dict(reply: spb.StatusReply) -> dict[str, Any]:
-    """MessageToDict, every field present, proto field names (int64 stays a JSON string)."""
-    data: dict[str, Any] = MessageToDict(
-        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return data
-
-
-def call_control(
-    endpoint: str,
-    token: str,
-    method: str,
-    request: Any,
-    timeout_s: float = 5.0,
-    tls: TlsFiles | None = None,
-) -> Any:
-    """One Control RPC with the run token (over TLS when `tls`); raises grpc.RpcError."""
-    with channel(endpoint, tls) as ch:
-        stub = cgrpc.ControlStub(ch)
-        return getattr(stub, method)(request, metadata=auth.bearer(token), timeout=timeout_s)
-
-
-def dumps(data: dict[str, Any]) -> str:
-    return json.dumps(data, sort_keys=True)

@@ -55,6 +55,7 @@ def trajectory_to_pb(t: Trajectory) -> pb.Trajectory:
         error=t.error,
         timings=t.timings,
         metadata=t.metadata,
+        costs=t.costs,
     )
 
 
@@ -73,6 +74,7 @@ def trajectory_from_pb(m: pb.Trajectory) -> Trajectory:
         error=m.error,
         timings=dict(m.timings),
         metadata=dict(m.metadata),
+        costs=dict(m.costs),
     )
 
 

@@ -11,6 +11,7 @@ collapsed or stalled one is stopped. Optuna picks the values and prunes (`jetctl
 runner`); its sqlite storage is the study's state, so a study resumes after its own crash.
 `jetctl.research.report` writes the study's Markdown and HTML report.
 
-Left out (planned): a planner model proposing trials; budgets in cost from the ledger;
-metrics from `jetctl eval`.
+An optional planner model (`jetctl.research.planner`) proposes trials within the space.
+Budgets may be in cost from each trial's ledger (CPU seconds, reported USD), and the metric
+a figure of a task's in-run eval (`metric: {task: T, eval: pass_at_1}`).
 """

@@ -35,6 +35,8 @@ class TrialRow:
     base: bool
     run_dir: str
     events: list[str] = field(default_factory=list)
+    planner: str | None = None  # the planner's reasoning, when it proposed this trial
+    cost: tuple[float, float] | None = None  # (CPU s, reported USD) from its run's ledger
 
 
 def trial_rows(storage: str, name: str) -> list[TrialRow]:
@@ -50,7 +52,9 @@ def trial_rows(storage: str, name: str) -> list[TrialRow]:
             metric=attrs.get("metric"), outcome=attrs.get("outcome", t.state.name.lower()),
             reason=attrs.get("reason", ""), steps=int(attrs.get("steps", 0)),
             resumes=int(attrs.get("resumes", 0)), base=bool(attrs.get("base", False)),
-            run_dir=str(attrs.get("run_dir", "")), events=list(attrs.get("events", []))))
+            run_dir=str(attrs.get("run_dir", "")), events=list(attrs.get("events", [])),
+            planner=attrs.get("planner"),
+            cost=tuple(attrs["cost"]) if attrs.get("cost") is not None else None))
     return rows
 
 
@@ -97,6 +101,12 @@ def hypothesis_verdict(study: Study, rows: list[TrialRow]) -> tuple[bool | None,
     return all(ok for ok, _ in checks), "; ".join(why for _, why in checks)
 
 
+def _cost(cost: tuple[float, float] | None, i: int) -> str:
+    if cost is None:
+        return "-"
+    return f"{cost[0]:.0f}" if i == 0 else f"{cost[1]:.4f}"
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
@@ -121,16 +131,22 @@ def render_markdown(study: Study, rows: list[TrialRow]) -> str:
                 f"{_fmt(best.value)}:"), ""]
         out += [f"- `{k}`: {v}" for k, v in best.params.items()] + [""]
     out += ["## Trials (ranked by the metric)", "",
-            "| rank | trial | params | metric | state | outcome | steps | resumes |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| rank | trial | params | metric | state | outcome | steps | resumes | CPU s | USD |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(order, 1):
         base = " (base)" if r.base else ""
         out.append(f"| {i} | {r.number}{base} | {_params(r.params)} | "
                    f"{_fmt(r.value if r.value is not None else r.metric)} | {r.state} | "
-                   f"{r.outcome} | {r.steps} | {r.resumes} |")
+                   f"{r.outcome} | {r.steps} | {r.resumes} | {_cost(r.cost, 0)} | "
+                   f"{_cost(r.cost, 1)} |")
     out += ["", "## Crashes and interventions", ""]
     events = [(r.number, e) for r in sorted(rows, key=lambda r: r.number) for e in r.events]
     out += [f"- trial {n}: {e}" for n, e in events] or ["- none"]
+    planned = [r for r in sorted(rows, key=lambda r: r.number) if r.planner is not None]
+    if planned:
+        out += ["", "## Proposed by the planner", ""]
+        out += [f"- trial {r.number} ({_params(r.params)}): "
+                f"{' '.join((r.planner or '').split()) or '(no reasoning given)'}" for r in planned]
     return "\n".join(out) + "\n"
 
 

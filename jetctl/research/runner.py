@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jetctl.research.planner import Planner
 from jetctl.research.study import Study
-from jetctl.research.trial import TrialRun, metric_value
+from jetctl.research.trial import TrialRun, metric_value, trial_cost
 from jetctl.research.watchdog import StepLog, TrialWatchdog
 from jetctl.rundir import RunPaths, read_json
 
@@ -103,6 +104,10 @@ class StudyRunner:
         self.optuna = import_optuna()
         self.ostudy = open_study(study, study_dir)
         self.active: dict[int, tuple[Any, TrialRun]] = {}  # number -> (optuna Trial, run)
+        self.planner: Planner | None = None
+        self._said_spent = False
+        if study.spec.planner is not None:
+            self.planner = Planner(study.spec.planner, study_dir / "planner.jsonl")
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -112,7 +117,8 @@ class StudyRunner:
         try:
             while True:
                 wall = self.study.spec.budget.study_wall_s
-                open_budget = wall is None or time.time() - started_at < wall
+                open_budget = (wall is None or time.time() - started_at < wall) \
+                    and self._study_cost_left()
                 while (open_budget and len(self.active) < self.parallel
                        and self._started() < self.study.spec.budget.trials):
                     self._start()
@@ -129,6 +135,30 @@ class StudyRunner:
                 time.sleep(POLL_S)
             raise
 
+    def _study_cost_left(self) -> bool:
+        """Neither `budget.study_cpu_s` nor `budget.study_usd` is spent (every trial's cost,
+        ended ones from their user attributes, running ones as their ledger has it now)."""
+        budget = self.study.spec.budget
+        if budget.study_cpu_s is None and budget.study_usd is None:
+            return True
+        cpu = usd = 0.0
+        for t in self.ostudy.get_trials(deepcopy=False):
+            if t.number in self.active:
+                c, u = self._cost(self.active[t.number][1])
+            else:
+                c, u = t.user_attrs.get("cost", (0.0, 0.0))
+            cpu, usd = cpu + c, usd + u
+        spent = ((budget.study_cpu_s is not None and cpu >= budget.study_cpu_s)
+                 or (budget.study_usd is not None and usd >= budget.study_usd))
+        if spent and not self._said_spent:
+            self._said_spent = True
+            self.say(f"the study's cost budget is spent ({cpu:.0f} CPU s, ${usd:.4f}): "
+                     "no new trial starts")
+        return not spent
+
+    def _cost(self, run: TrialRun) -> tuple[float, float]:
+        return trial_cost(run.run_dir, list(self.study.base.get("models") or {}))
+
     def _started(self) -> int:
         """Trials started so far (enqueued ones wait in the storage until asked for)."""
         waiting = self.optuna.trial.TrialState.WAITING
@@ -142,6 +172,7 @@ class StudyRunner:
             watchdog=TrialWatchdog(self.study.spec.watchdog))
 
     def _start(self) -> None:
+        self.plan_next()
         trial = self.optuna_ask()
         values = _suggest(trial, self.study)
         run_dir = (self.dir / "trials" / f"{trial.number:04d}").resolve()
@@ -155,6 +186,33 @@ class StudyRunner:
 
     def optuna_ask(self) -> Any:
         return self.ostudy.ask()
+
+    def plan_next(self) -> bool:
+        """Ask the planner (when the study has one, `after_trials` trials have ended and no
+        trial waits in the storage) and enqueue its checked proposal; False: the sampler picks."""
+        if self.planner is None:
+            return False
+        state = self.optuna.trial.TrialState
+        trials = self.ostudy.get_trials(deepcopy=False)
+        if any(t.state == state.WAITING for t in trials):
+            return False  # the base recipe's or a planned trial comes first
+        ended = [t for t in trials if t.state.is_finished()]
+        assert self.study.spec.planner is not None
+        if len(ended) < self.study.spec.planner.after_trials:
+            return False
+        seen = [{"number": t.number, "values": dict(t.params),
+                 "outcome": t.user_attrs.get("outcome", t.state.name.lower()),
+                 "metric": t.user_attrs.get("metric")} for t in trials
+                if t.state != state.WAITING]
+        proposal = self.planner.propose(self.study, seen, for_trial=len(trials))
+        if proposal is None:
+            self.say(f"planner: no usable proposal for trial {len(trials)} "
+                     f"(see {self.planner.log_path}); the {self.study.spec.search.sampler} "
+                     "sampler picks")
+            return False
+        self.ostudy.enqueue_trial(proposal.values, user_attrs={"planner": proposal.reasoning})
+        self.say(f"planner proposed trial {len(trials)}: {_show(proposal.values)}")
+        return True
 
     def _adopt(self) -> None:
         """Trials a previous `jetctl research` left running: watch or resume them."""
@@ -212,6 +270,15 @@ class StudyRunner:
             elif run.elapsed_s > spec.budget.trial_wall_s:
                 self._stop(trial, run, "budget", f"trial_wall_s ({spec.budget.trial_wall_s:g}s) "
                            "reached: stopped, scored on what it reached")
+            elif new and (spec.budget.trial_cpu_s is not None or spec.budget.trial_usd is not None):
+                cpu, usd = self._cost(run)
+                trial.set_user_attr("cost", (cpu, usd))
+                if spec.budget.trial_cpu_s is not None and cpu > spec.budget.trial_cpu_s:
+                    self._stop(trial, run, "budget", f"trial_cpu_s ({spec.budget.trial_cpu_s:g}) "
+                               f"reached ({cpu:.0f} CPU s): stopped, scored on what it reached")
+                elif spec.budget.trial_usd is not None and usd > spec.budget.trial_usd:
+                    self._stop(trial, run, "budget", f"trial_usd ({spec.budget.trial_usd:g}) "
+                               f"reached (${usd:.4f}): stopped, scored on what it reached")
         code = run.exit_code()
         if code is None:
             return
@@ -252,6 +319,7 @@ class StudyRunner:
         outcome, reason = how
         state = self.optuna.trial.TrialState
         value = metric_value(run.run_dir, self.study.spec.metric)
+        trial.set_user_attr("cost", self._cost(run))
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
         trial.set_user_attr("steps", int(run.steps.rows[-1]["step"]) if run.steps.rows else 0)

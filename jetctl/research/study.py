@@ -47,9 +47,11 @@ class Hypothesis(_Strict):
 
 
 class Metric(_Strict):
-    """`task` set: the mean reward of that task's last `last_groups` accepted groups (the
-    server's store, as `jetctl status` shows it). Else: the mean of `key` over the last
-    `last_steps` rows of the step log."""
+    """`task` and `eval` set: that figure of the task's newest eval (its in-run eval,
+    `tasks.<task>.eval`, or any `jetctl eval` of the trial's run dir). `task` alone: the mean
+    reward of that task's last `last_groups` accepted groups (the server's store, as `jetctl
+    status` shows it). Else: the mean of `key` over the last `last_steps` rows of the step
+    log."""
 
     model: str = "policy"
     task: str | None = None
@@ -57,9 +59,12 @@ class Metric(_Strict):
     key: str = "reward/mean"
     last_steps: int = Field(default=10, ge=1)
     direction: Literal["maximize", "minimize"] = "maximize"
+    eval: Literal["pass_at_1", "pass_at_k", "mean_reward", "well_formed"] | None = None
 
     @property
     def label(self) -> str:
+        if self.task is not None and self.eval is not None:
+            return f"{self.eval} of the newest eval of {self.task}"
         if self.task is not None:
             return f"mean reward of the last {self.last_groups} groups of {self.task}"
         return f"mean {self.key} of the last {self.last_steps} steps"
@@ -70,6 +75,17 @@ class Budget(_Strict):
     max_steps: int | None = Field(default=None, ge=1, description="train.max_steps of each trial")
     trial_wall_s: float = Field(default=1800.0, gt=0, description="a trial is stopped after this")
     study_wall_s: float | None = Field(default=None, gt=0, description="no trial starts after this")
+    # cost from the run's ledger (jetctl/costs.py: the step log's server CPU seconds, the
+    # client CPU seconds its groups carried, and what envs reported spending)
+    trial_cpu_s: float | None = Field(
+        default=None, gt=0, description="a trial is stopped (scored on what it reached) past this "
+        "many server + client CPU seconds")
+    trial_usd: float | None = Field(
+        default=None, gt=0, description="a trial is stopped past this much reported env spend")
+    study_cpu_s: float | None = Field(
+        default=None, gt=0, description="no trial starts once the trials' CPU seconds reach this")
+    study_usd: float | None = Field(
+        default=None, gt=0, description="no trial starts once the trials' reported spend reaches this")
 
 
 class Search(_Strict):
@@ -123,6 +139,20 @@ class Chaos(_Strict):
     crash_at_step: int = Field(default=2, ge=1, description="once its step log reaches this step")
 
 
+class PlannerConfig(_Strict):
+    """A model proposing trials (jetctl/research/planner.py); the study runs without it."""
+
+    base_url: str = Field(pattern=r"^https?://", description="an OpenAI-compatible endpoint")
+    model: str = Field(min_length=1)
+    api_key_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="the environment variable holding the key (the key never goes in the file)")
+    after_trials: int = Field(default=1, ge=0, description="trials ended before it proposes")
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_tokens: int = Field(default=512, ge=16)
+    temperature: float = Field(default=0.2, ge=0, le=2)
+
+
 class StudyFile(_Strict):
     study: StudyInfo
     hypothesis: Hypothesis
@@ -132,6 +162,7 @@ class StudyFile(_Strict):
     space: dict[str, Param] = Field(min_length=1)
     watchdog: Watchdog = Watchdog()
     chaos: Chaos | None = None
+    planner: PlannerConfig | None = None
 
 
 class Study:
@@ -283,6 +314,11 @@ def _check_cross(study: Study, lines: dict[tuple[str, ...], int]) -> list[Recipe
             file, lines.get(("chaos", "crash_trial")), "chaos.crash_trial",
             f"there are {spec.budget.trials} trials (0 to {spec.budget.trials - 1})",
             spec.chaos.crash_trial, True))
+    if spec.planner is not None and spec.search.sampler == "grid":
+        issues.append(RecipeIssue(
+            file, lines.get(("planner",)), "planner",
+            "a grid study tries every combination in order, so there is nothing to plan: "
+            "remove planner: or set search.sampler: tpe (or random)"))
     if spec.hypothesis.beats_base_by is not None and not spec.search.include_base:
         issues.append(RecipeIssue(
             file, lines.get(("hypothesis", "beats_base_by")), "hypothesis.beats_base_by",
@@ -296,6 +332,17 @@ def _check_cross(study: Study, lines: dict[tuple[str, ...], int]) -> list[Recipe
                                   f"not a model of the recipe ({', '.join(models)}){hint}",
                                   spec.metric.model, True))
     tasks = study.base.get("tasks") or {}
+    if spec.metric.eval is not None and spec.metric.task is None:
+        issues.append(RecipeIssue(file, lines.get(("metric", "eval")), "metric.eval",
+                                  "an eval figure is a task's: set metric.task too",
+                                  spec.metric.eval, True))
+    elif (spec.metric.eval is not None and spec.metric.task in tasks
+          and not (tasks[spec.metric.task] or {}).get("eval")):
+        issues.append(RecipeIssue(
+            file, lines.get(("metric", "eval")), "metric.eval",
+            f"the recipe's task {spec.metric.task!r} runs no in-run eval, so a trial has no "
+            f"eval figures: add tasks.{spec.metric.task}.eval: {{every_steps: N}} to the recipe "
+            "(or set it in the space's base), or drop metric.eval", spec.metric.eval, True))
     if spec.metric.task is not None and spec.metric.task not in tasks:
         close = difflib.get_close_matches(spec.metric.task, list(tasks), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

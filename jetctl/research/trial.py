@@ -115,8 +115,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def trial_cost(run_dir: Path, models: list[str]) -> tuple[float, float]:
+    """(CPU seconds, reported USD) the run's ledger holds so far, over its models: the
+    servers' CPU and the client CPU their groups carried (jetctl/costs.py)."""
+    from jetctl.costs import read_costs
+
+    cpu = usd = 0.0
+    for model in models:
+        costs = read_costs(RunPaths(run_dir).steps_log(model))
+        if costs is not None:
+            cpu += costs.server_cpu_s + costs.client_cpu_s
+            usd += costs.usd
+    return cpu, usd
+
+
 def metric_value(run_dir: Path, metric: Metric) -> float | None:
     """The study's metric as the run dir has it now; None before there is any data."""
+    if metric.task is not None and metric.eval is not None:
+        from jetctl.eval import latest_results
+
+        figures = latest_results(run_dir).get(metric.task)
+        return None if figures is None else float(figures[metric.eval])
     if metric.task is not None:
         groups = read_task_rewards(run_dir).get((metric.model, metric.task), [])
         window = [g.reward for g in groups[-metric.last_groups:]]

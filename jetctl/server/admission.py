@@ -45,6 +45,7 @@ class Limits:
     max_id_chars: int = 256  # ids, task and model names (a uuid7 is 36)
 
 
+MAX_COST_KEYS, MAX_COST = 16, 1e9  # a trajectory's cost figures: a few, none absurd (or NaN)
 # |reward| above this squares past 1e18 and sums of a group may overflow to inf
 MAX_ABS_REWARD = 1e9
 # a sampled token with log-probability below this (p < 1e-434) did not come from a sampler
@@ -225,6 +226,12 @@ def _read_group(g: Any, limits: Limits, version: int, values: bool = True) -> _R
             return _Read(f"trajectory {tid} reward is {reward}, outside ±{MAX_ABS_REWARD:g}")
         if not calls:
             return _Read(f"trajectory {tid} has no LLM calls")
+        costs = t.costs  # jetctl/costs.py sums them into the step rows
+        if len(costs) > MAX_COST_KEYS or not all(
+                0 <= v <= MAX_COST and len(k) <= limits.max_id_chars for k, v in costs.items()):
+            return _Read(f"trajectory {tid} costs {_short(str(dict(costs)))}: at most "
+                         f"{MAX_COST_KEYS} figures, each in [0, {MAX_COST:g}], each name at "
+                         f"most {limits.max_id_chars} characters")
         for i, c in enumerate(calls):
             prompt_ids, completion_ids, logprobs = (
                 c.prompt_ids, c.completion_ids, c.completion_logprobs

@@ -36,8 +36,11 @@ import os
 import pickle
 import posixpath
 import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -320,7 +323,33 @@ def _version_of(name: str) -> int:
     return int(name.removeprefix("step-"))
 
 
+# Versions something in this process is reading from its files (an in-run eval's child loads
+# one: jetctl/server/evals.py). `keep` does not count them; the first save after they are let
+# go prunes them. One process serves one model, so a version names one checkpoint.
+_PINNED: Counter[int] = Counter()
+_PINNED_LOCK = threading.Lock()
+
+
+@contextmanager
+def pinned(version: int) -> Iterator[None]:
+    """Keep checkpoint `version` out of pruning while the block runs."""
+    with _PINNED_LOCK:
+        _PINNED[version] += 1
+    try:
+        yield
+    finally:
+        with _PINNED_LOCK:
+            _PINNED[version] -= 1
+            if _PINNED[version] <= 0:
+                del _PINNED[version]
+
+
 def _prune(target: _Root, keep: int) -> None:
     done = [n for n in target.steps() if not n.endswith(PARTIAL)]
+    with _PINNED_LOCK:
+        held = set(_PINNED)
     for old in done[:-keep]:
+        if _version_of(old) in held:
+            log.info("checkpoint %s kept past checkpoint.keep while it is read (in-run eval)", old)
+            continue
         target.remove(old)

@@ -30,8 +30,9 @@ and counted in `eval/failures`; training goes on.
 Left out: a step whose eval was cut short by the server's stop or restart is not evaluated
 again (`jetctl eval RUN_DIR --checkpoint step-S` makes its figures afterwards), and the
 figures of an eval that ends after the last optimizer step reach the eval folder but no
-step row. A checkpoint that `checkpoint.keep` prunes before the child loads it (many fast
-steps during one eval) fails that eval, logged as such. Servers without the run dir's
+step row. The checkpoint an eval reads is pinned while its child runs
+(`checkpoint.pinned`): `checkpoint.keep` prunes it only at the first save after the eval
+ends, so many fast steps during one eval do not pull it away. Servers without the run dir's
 recipe (runtime: external or ray) are refused an `eval:` by validate.
 """
 
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetctl.recipe import EvalConfig
+from jetctl.server import checkpoint
 
 log = logging.getLogger("jetctl.server.evals")
 FIGURES = ("pass_at_1", "pass_at_k", "mean_reward", "well_formed", "tokens_per_answer",
@@ -191,23 +193,24 @@ class InRunEval:
         cfg = self.tasks[task]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the server keeps its cores
         t0 = time.monotonic()
-        with self._cond:
-            if self._stopping:
-                return EvalResult(task, step, {}, "the server is stopping")
-            child = self._child = subprocess.Popen(
-                self.command(self.run_dir, task, step, cfg), stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, env=env,
-            )
-        try:
-            out, err = child.communicate(timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            out, err = child.communicate()
-            return EvalResult(task, step, {}, f"ran past timeout_s ({cfg.timeout_s:g} s), "
-                              f"killed: {_tail(err)}")
-        finally:
+        with checkpoint.pinned(step):  # not pruned while the child may still load it
             with self._cond:
-                self._child = None
+                if self._stopping:
+                    return EvalResult(task, step, {}, "the server is stopping")
+                child = self._child = subprocess.Popen(
+                    self.command(self.run_dir, task, step, cfg), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True, env=env,
+                )
+            try:
+                out, err = child.communicate(timeout=cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                out, err = child.communicate()
+                return EvalResult(task, step, {}, f"ran past timeout_s ({cfg.timeout_s:g} s), "
+                                  f"killed: {_tail(err)}")
+            finally:
+                with self._cond:
+                    self._child = None
         if child.returncode != 0:
             return EvalResult(task, step, {}, f"exit code {child.returncode}: {_tail(err)}")
         try:

@@ -18,6 +18,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from jetctl import tracing
 from jetctl.auth import metadata_principal
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_payloads, packed_groups
@@ -96,6 +97,7 @@ class SwarmService:
         self.max_queued_generates = max_queued_generates
         self._generating = 0  # Generate calls handed to the engine and not answered yet
         self._generate_s = 1.0  # running mean of one Generate's time, its wait included (s)
+        tracing.start("jetctl-server", model_name)  # if the environment names a collector
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -148,6 +150,12 @@ class SwarmService:
         )
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
+        with tracing.generate_handler(context):  # the caller's span's child, when traced
+            return await self._generate(raw, context)
+
+    async def _generate(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateReply:
         req = await self._parse(raw, pb.GenerateRequest, context)
         temperature = req.temperature if req.HasField("temperature") else 1.0
         reason = check_generate(
@@ -332,6 +340,7 @@ class SwarmService:
                 self.metrics.rejected.labels(reason=res.outcome).inc(n_traj)
             acks[index] = pb.Ack(group_id=group_id, code=ACK_CODES[res.outcome], reason=res.reason)
         self.metrics.buffer_groups.set(self.store.buffer_depth)
+        tracing.admission(groups, acks)  # each verdict, in its trajectories' traces
         return pb.SubmitReply(acks=cast(list[pb.Ack], acks), model_version=self.trainer.version)
 
     async def pull_weights(

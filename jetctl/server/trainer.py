@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from jetctl import tracing
+from jetctl.costs import step_client_costs
 from jetctl.faults import Faults
 from jetctl.proto.convert import weight_frames
 from jetctl.recipe import ModelConfig
@@ -311,6 +313,7 @@ class Trainer:
         train_cpu_s = time.thread_time() - cpu0
         ids = [s.group.id for s in batch]
         self.store.mark_trained(ids, self.version)
+        tracing.optimizer_step(self.version, [s.group for s in batch], t_train)
         publish_s = 0.0
         cpu1 = time.thread_time()
         if self.publish is not None and self.version != version_before:
@@ -367,6 +370,10 @@ class Trainer:
             "tokens/generated": float(sum(g for g, _ in by_task.values())),
             "tokens/trained": float(sum(t for _, t in by_task.values())),
         })
+        client_scalars, client_by_task = step_client_costs(  # usd, client CPU, env wall
+            [(s.group.task, t.costs) for s in batch for t in s.group.trajectories]
+            + [(k.task, c) for k in skipped for c in k.costs])
+        scalars.update(client_scalars)
         if "num_tokens" in scalars and t_train > 0:
             scalars["tokens_per_second"] = scalars["num_tokens"] / t_train
         f.last_step = scalars
@@ -374,7 +381,7 @@ class Trainer:
             scalars.update(self.extra_scalars())
         if self.trackers is not None:
             scalars["trackers/failures"] = float(self.trackers.failures)
-        self._log(scalars, ids, by_task)
+        self._log(scalars, ids, by_task, client_by_task)
         if self.trackers is not None:
             self.trackers.log(scalars, [s.group for s in batch], self.algorithm.advantages)
         if self.on_step:
@@ -433,7 +440,8 @@ class Trainer:
             self.store.forget_payloads(through_step=done[-n])
 
     def _log(self, scalars: dict[str, float], group_ids: list[str],
-             by_task: dict[str, tuple[int, int]]) -> None:
+             by_task: dict[str, tuple[int, int]],
+             client_by_task: dict[str, dict[str, float]]) -> None:
         # what `jetctl replay` needs (jetctl/replay.py): the batch's groups in training order,
         # the torch threads (CPU sums depend on them) and, with LoRA, a digest of the adapter
         # after the step (a few MB at most; full fine-tuning's weights are too big to hash
@@ -442,6 +450,7 @@ class Trainer:
                                   "replay/threads": torch.get_num_threads()}
         # per task: [generated, trained] completion tokens (jetctl/costs.py)
         row["cost/tokens_by_task"] = {t: list(v) for t, v in sorted(by_task.items())}
+        row["cost/client_by_task"] = client_by_task  # task -> summed Trajectory.costs
         if W.is_lora(self.model):
             row["replay/weights_sha256"] = W.digest(self.model)
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
@@ -462,12 +471,14 @@ class Skipped:
     task: str
     rewards: tuple[float, ...]
     completion_tokens: int
+    costs: tuple[dict[str, float], ...] = ()  # each trajectory's (jetctl/costs.py)
 
     @classmethod
     def of(cls, s: StoredGroup) -> Skipped:
         return cls(
             s.group.task, tuple(t.reward for t in s.group.trajectories),
             sum(len(c.completion_ids) for t in s.group.trajectories for c in t.calls),
+            tuple(t.costs for t in s.group.trajectories),
         )
 
 

@@ -12,8 +12,11 @@ decodes payloads (full-text search) stops after `SEARCH_SCAN` groups.
 
 What the stores do not keep, and this module says so rather than guessing:
 - a trained group's payload (tokens, logprobs, versions per turn, node, task row) is dropped
-  once a checkpoint holds its step (`TrajectoryStore.forget_payloads`), and a refused
-  group's at refusal; such a group shows its facts only (task, lag, revisions, reward);
+  once the checkpoint that `checkpoint.keep_trained_groups` picks holds its step
+  (`TrajectoryStore.forget_payloads`: by default the oldest checkpoint kept, so the steps
+  after it still show their groups; `all` keeps every payload; 1 drops them at the newest),
+  and a refused group's at refusal; such a group shows its facts only (task, lag,
+  revisions, reward);
 - a group consumed without signal (zero reward variance) is marked `trained` at the
   version it was consumed at, like a trained one: with its payload the rewards tell the two
   apart; without it the page says it cannot;

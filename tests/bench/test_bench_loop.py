@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,39 @@ def test_steps_and_groups_to_a_reward_count_what_was_trained_by_then() -> None:
     never = figures("swarm", 0.0, 0, wall_s=100.0, groups=groups[:40], step_times=[10.0],
                     train=[], gen_batches=[], staleness=[], cpu_s={}, step_groups=[2])
     assert never.steps_to["0.8"] is None and never.groups_to["0.8"] is None
+
+
+def test_until_stops_the_swarm_process_once_the_stores_rolling_reward_reaches_it(
+    tmp_path: Path,
+) -> None:
+    """`--until`: the watcher reads the server's store (accepted groups in arrival order) and
+    SIGTERMs the run once the mean of the last WINDOW groups reaches the threshold; a
+    rolling reward below it leaves the run alone."""
+    import signal
+    import sqlite3
+    import subprocess
+    import threading
+    import time
+
+    from jetctl.bench.loop import WINDOW, _stop_when_reached
+
+    store = tmp_path / "store.sqlite"
+    db = sqlite3.connect(store)
+    db.execute("CREATE TABLE groups (received_at REAL, reward_sum REAL, n_traj INT, state TEXT)")
+    now = time.time()
+    rows = [(now + i, 2.0, 8, "trained") for i in range(WINDOW)]  # mean reward 0.25
+    db.executemany("INSERT INTO groups VALUES (?, ?, ?, ?)", rows)
+    db.commit()
+    proc = subprocess.Popen(["sleep", "60"])
+    watcher = threading.Thread(target=_stop_when_reached, args=(proc, store, now, 0.8),
+                               kwargs={"interval_s": 0.1}, daemon=True)
+    watcher.start()
+    time.sleep(0.5)
+    assert proc.poll() is None  # 0.25 < 0.8: still running
+    db.executemany("INSERT INTO groups VALUES (?, ?, ?, ?)",  # now the last WINDOW score 7/8
+                   [(now + WINDOW + i, 7.0, 8, "buffered") for i in range(WINDOW)])
+    db.commit()
+    db.close()
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    watcher.join(timeout=5)
+    assert not watcher.is_alive()

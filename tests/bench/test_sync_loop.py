@@ -162,3 +162,29 @@ def test_the_loop_trains_with_the_recipes_algorithm(algorithm: str, tis_cap: flo
     before = [p.detach().clone() for p in loop.params]
     assert loop.step(groups)
     assert any(not torch.equal(b, p) for b, p in zip(before, loop.params))
+
+
+def test_the_loop_stops_once_its_rolling_reward_reaches_until() -> None:
+    """`jetctl bench loop --until R`: the loop ends at the round whose last `window` groups
+    average R or more, not at `seconds`."""
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    spec = LoopSpec(
+        model=rec.models["policy"].model_dump(mode="json"),
+        task=rec.tasks["digits"].model_dump(mode="json"),
+        seconds=90, seed=0, threads=1, until=0.5, window=2,
+    )
+    loop = SyncLoop(spec, started=time.monotonic())
+    real, rounds = loop.rollouts, []
+
+    def rollouts(n: int):  # the real rollouts; from the second round on, every answer scores 1
+        groups = real(n)
+        rounds.append(len(groups))
+        for g in groups:
+            for r in g:
+                r.reward = 1.0 if len(rounds) >= 2 else 0.0
+        return groups
+
+    loop.rollouts = rollouts  # type: ignore[method-assign]
+    out = loop.run()
+    assert len(rounds) == 2 and len(out["groups"]) == 2 * spec.round_groups
+    assert out["wall_s"] < spec.seconds

@@ -28,7 +28,7 @@ class FakeProxy:
     def __init__(self) -> None:
         self.timelines: dict[str, Timeline] = {}
 
-    def open(self, rollout_id: str) -> Timeline:
+    def open(self, rollout_id: str, seeds: object = None) -> Timeline:
         self.timelines[rollout_id] = Timeline(rollout_id)
         return self.timelines[rollout_id]
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.controller.controller import Controller
-from jetctl.controller.service import call_control
+from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.rundir import RunDirError
 from jetctl.status import document

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from jetctl.controller.service import call_control
+from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from tests.controller.controller_fakes import node_states, read_run_json, recipe_dict, wait_for
 
@@ -107,3 +107,82 @@ def test_a_swap_and_down_drain_the_nodes_that_joined_by_hand(make_controller) ->
     wait_for(lambda: node_states(r.ctl).get(second.name) == "running", what="the joined node")
     assert r.stop(grace_s=10) == "test"
     assert second.drained.is_set(), "down drains it too"
+
+
+def test_a_node_from_elsewhere_ships_its_log_lines_and_the_controller_trusts_none(
+    make_controller, run_dir: Path,
+) -> None:
+    """A node that joined by hand keeps its log files on its own host: the Join reply asks for
+    its lines, its Sync carries them (the real ControlLink with a LogShipper on a logger), and
+    the controller appends them to its own logs/<node>.jsonl, where `jetctl logs` reads them.
+    A line that is not a bounded JSON object is refused, one that names another process is
+    written under the node's own name, and a node the controller runs here ships nothing."""
+    import asyncio
+    import logging
+
+    from jetctl.link import ControlLink, Identity
+    from jetctl.logs import LINE_MAX_BYTES, LogFilter, LogShipper, read_lines
+
+    r = make_controller(recipe_dict(clients=1)).start()
+    wait_for(r.all_running, what="every node running")
+    here = call_control(r.ctl.endpoint, r.ctl.token, "Join", cpb.JoinRequest(
+        kind="client", task="arith", name="arith-0", index=0))
+    assert here.ship_logs is False  # started here: its logs are in this run dir already
+    node = ByHand(r.ctl)
+    assert node.reply.ship_logs is True
+
+    shipper = LogShipper(node.name, {"task": "arith"})
+    logger = logging.getLogger("test.shipped")
+    logger.addHandler(shipper)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("rollout %d finished", 7)
+        logger.warning("env slow")
+        logger.debug("not shipped: below INFO")
+    finally:
+        logger.removeHandler(shipper)
+    shipper.put_back([
+        "not json", json.dumps({"time": 1.0, "message": "x" * LINE_MAX_BYTES}),
+        json.dumps({"time": 2.0, "process": "server-policy", "message": "forged"}),
+    ])
+
+    async def sync_once() -> Any:
+        link = ControlLink(r.ctl.endpoint, r.ctl.token)
+        link.log_shipper = shipper
+        try:
+            return await link.sync(Identity(node.name, "client", task="arith",
+                                            revision=node.reply.revision),
+                                   status={"state": "running"})
+        finally:
+            await link.close()
+
+    assert asyncio.run(sync_once()) is not None
+    assert shipper.take() == []  # all sent
+    lines = read_lines(run_dir / "logs", LogFilter(node=node.name))
+    assert [ln.message for ln in lines] == ["forged", "rollout 7 finished", "env slow"]
+    assert {ln.process for ln in lines} == {node.name}
+    assert lines[1].fields["task"] == "arith" and lines[2].level == "WARNING"
+    assert r.ctl._hub.logs.refused == 2
+    assert not read_lines(run_dir / "logs", LogFilter(node="server-policy"))
+
+
+def test_a_shipper_keeps_lines_until_a_sync_takes_them_and_bounds_its_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from jetctl import logs
+
+    monkeypatch.setattr(logs, "SHIP_BACKLOG", 3)
+    shipper = logs.LogShipper("n", {})
+    for i in range(5):
+        shipper.emit(logging_record(f"m{i}"))
+    assert shipper.dropped == 2
+    first = shipper.take(max_bytes=1)  # at least one line per sync, whatever its size
+    assert [json.loads(x)["message"] for x in first] == ["m2"]
+    shipper.put_back(first)  # the sync failed: they go first next time
+    assert [json.loads(x)["message"] for x in shipper.take()] == ["m2", "m3", "m4"]
+
+
+def logging_record(message: str) -> Any:
+    import logging
+
+    return logging.LogRecord("t", logging.INFO, __file__, 1, message, None, None)

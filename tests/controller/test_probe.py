@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jetctl.controller.service import ServerProbe
+from jetctl.controller.probe import ServerProbe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

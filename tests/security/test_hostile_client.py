@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from jetctl.controller.controller import Controller
+from jetctl.controller.probe import ServerProbe
 from jetctl.controller.runtimes.base import Mount
-from jetctl.controller.service import ServerProbe
 from jetctl.ledger import build_ledger
 from tests.controller.controller_fakes import FAST, Running, wait_for, write_recipe
 from tests.controller.docker_support import (

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from jetctl import auth
-from jetctl.controller.service import call_control, serve_control
+from jetctl.controller.service import serve_control
+from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 
 pytestmark = pytest.mark.integration

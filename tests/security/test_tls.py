@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jetctl.auth import bearer
 from jetctl.client.transport import SwarmTransport
-from jetctl.controller.service import call_control, serve_control
+from jetctl.controller.service import serve_control
+from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from jetctl.auth import bearer
-from jetctl.controller.service import call_control
+from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc

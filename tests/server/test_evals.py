@@ -287,3 +287,40 @@ def test_every_eval_problem_is_reported_at_once() -> None:
     assert any("not a multiple" in t for t in found)
     assert any("needs held-out rows" in t for t in found)
     assert any("runtime: external does not have" in t for t in found)
+
+
+@pytest.mark.unit
+def test_the_checkpoint_an_eval_reads_is_not_pruned_until_the_eval_ends(tmp_path: Path) -> None:
+    """Fast steps during one eval: `checkpoint.keep` leaves the checkpoint the eval's child
+    reads, and prunes it at the first save after the eval ended."""
+    import torch
+
+    from jetctl.recipe import load_recipe
+    from jetctl.server import checkpoint
+    from jetctl.trained import build_model
+
+    root = tmp_path / "checkpoints" / "policy"
+    model, _ = build_model(load_recipe(ROOT / "recipes" / "tiny.yaml", env={}).models["policy"])
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def save(version: int) -> None:
+        checkpoint.save(root, model, optimizer, version, {"version": version}, keep=1)
+
+    asked = tmp_path / "asked"
+    evals = InRunEval(tmp_path, {"rows": EvalConfig(every_steps=2)}, 0,
+                      command=stand_in(asked, seconds=60))
+    save(2)
+    evals.start()
+    try:
+        evals.checkpointed(2)
+        deadline = time.monotonic() + 10
+        while not asked.exists() and time.monotonic() < deadline:  # step 2's child runs
+            time.sleep(0.05)
+        assert asked.exists()
+        for version in (3, 4, 5):
+            save(version)
+        assert checkpoint.versions(root) == [2, 5]  # 3 and 4 pruned; 2 is read
+    finally:
+        evals.stop()
+    save(6)
+    assert checkpoint.versions(root) == [6]

@@ -261,7 +261,7 @@ def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -
 
     from rich.console import Console
 
-    from jetctl.controller.service import status_to_dict
+    from jetctl.controller.probe import status_to_dict
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.proto._gen import swarm_pb2 as spb
     from jetctl.status import document, render_status

@@ -34,6 +34,11 @@ def register(bench: typer.Typer) -> None:
             "per turn over them all (default 2: the reference loop; the recipe's "
             "groups_per_step is the swarm's).", min=1,
         )] = 2,
+        until: Annotated[float | None, typer.Option(
+            help="Stop each run once the mean reward of its last 20 groups reaches this "
+            "(the swarm drains: SIGTERM); time to that reward is still measured, later rows "
+            "describe the stop (default: every run takes --seconds).",
+        )] = None,
     ) -> None:
         """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
         sampling and optimizer; time to first step, s/step, trajectories/s, time to reward,
@@ -60,6 +65,8 @@ def register(bench: typer.Typer) -> None:
         if unknown:
             fail(f"--algorithms {algorithms!r}: {', '.join(unknown)} unknown; choose from "
                  f"{', '.join(registry.names())}")
+        if until is not None and not 0 < until <= 1:
+            fail(f"--until ({until:g}) is a reward threshold in (0, 1], e.g. 0.8")
         if seconds < 10:
             fail(f"--seconds ({seconds:g}) must be at least 10")
         if not recipe.is_file():
@@ -68,10 +75,11 @@ def register(bench: typer.Typer) -> None:
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
         runs = len(latencies) * len(seed_list) * len(mode_list) * len(algorithm_list or [None])
-        console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min)")
+        console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min"
+                      f"{', less where a run reaches --until' if until is not None else ''})")
         results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
                          modes=mode_list, task=task, out_dir=out,
                          loop_dynamic_sampling=loop_dynamic_sampling, algorithms=algorithm_list,
-                         loop_groups=loop_groups,
+                         loop_groups=loop_groups, until=until,
                          progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
         console.print(bl.render(results))

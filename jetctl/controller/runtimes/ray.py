@@ -12,19 +12,36 @@ log), with the controller's address, the token and the TLS files in its environm
 TLS files travel as PEM text and are written, each node's in a directory of its own, under
 the run's private directory there (`private/<node>/`: directories 0700, files 0600, made
 with O_EXCL | O_NOFOLLOW; one owned by another user, a symlink or with looser modes is
-refused). An actor's `info` (what `list` and `prune` read) never carries the environment.
-So the node joins the controller over the network like any other.
+refused). So the node joins the controller over the network like any other.
+
+The secrets (the node's whole environment: the token or credential, the PEM text) are not
+the actor's creation arguments. Ray keeps an actor's creation task, arguments included,
+in its GCS for the actor's life (to restart it), where whoever can reach the cluster may
+read them: those arguments are the spec only (`_spec_json`: name, command line, labels,
+placement, paths). The environment comes in one actor call, `start(env)`, made right
+after the creation; the actor starts the node then, and keeps none of it (only the node's
+process has it). Ray runs that call without retries (`max_task_retries=0`), and the
+caller's Ray worker (the controller's) keeps a finished task's spec, arguments included,
+only while the task could be re-executed (retries left and a result in the object store:
+`TaskManager::CompletePendingTask`), so once `start` ran Ray holds it nowhere; Ray's task
+events (the state API, the dashboard) record no arguments. An actor Ray restarted would
+come up with its spec only and run nothing, and Ray restarts none (`max_restarts=0`).
+Still held, as before: the node's environment in its process (`/proc/<pid>/environ`, for
+the host's root and that user), the keys in its private directory, and the call in the
+controller's memory until the actor is placed and has run it; and the call crosses the
+network in Ray's own RPC, encrypted only where the cluster runs Ray with TLS. An actor's
+`info` (what `list` and `prune` read) never carries the environment either.
+`run.ray.runtime_env` is no place for a secret: Ray records it with every actor and task.
 
 Actors are named after their node and detached, in the namespace `run.ray.namespace`
 (default `jetctl-<run>`): a controller that died leaves them running and `jetctl up --resume`
 finds them (`list`); `jetctl down` and the end of the run remove them and the placement
 groups, a swap the drained revision's group (`release_group`). Restarts are the
-controller's (with its backoff), not Ray's: `max_restarts=0`.
+controller's (with its backoff), not Ray's: `max_restarts=0`. `up --resume`
+adopts live actors as they are (their nodes run already): nothing is re-sent.
 
 Left out: Ray's own logs (the node's log stays on its host, `logs/<node>.log` under the work
-dir), autoscaling; and Ray keeps an actor's creation arguments (the spec, its environment
-with the token and the PEM text included) for the actor's life, where whoever can reach
-the cluster may read them: the secrets travel that way still.
+dir), autoscaling; and per-node credentials for Ray hosts (each gets the run's TLS files).
 """
 
 from __future__ import annotations
@@ -72,15 +89,31 @@ class NodeProcess:
     `kill` reaches them), and the kernel kills it if the actor's process dies."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
+        """`spec` holds no secret (`_spec_json`): Ray keeps it for the actor's life. The node
+        starts in `start`, when the secrets come; an actor Ray restarted (it should not:
+        `max_restarts=0`) comes up without them and runs nothing."""
         self.spec = spec
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
-        self._start()  # when Ray placed it; an error here is a dead actor, restarted later
+        self.error = ""  # why `start` failed: the node will not run
 
-    def _start(self) -> None:
+    def start(self, env: dict[str, str]) -> None:
+        """Start the node with `env`, its environment (the token, the TLS PEM text), once.
+        Delivered by this one call, not kept on the actor: only the node's process has it.
+        An error here (a refused private dir) is kept: `poll` then says the node exited."""
+        if self.started_at:
+            raise RuntimeError(f"{self.spec['name']}: the node was started already")
+        self.started_at = time.time()  # set first: a failed start is an exited node to prune
+        try:
+            self._start(env)
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+
+    def _start(self, secrets: dict[str, str]) -> None:
         work = Path(self.spec["work_dir"])
         (work / "logs").mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec["env"], "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **secrets, "PYTHONUNBUFFERED": "1"}
         pems = json.loads(env.pop(TLS_PEMS_ENV, "") or "{}")
         if pems:  # under the run's private directory, one of the node's own in it
             private = work / PRIVATE_DIR
@@ -104,15 +137,18 @@ class NodeProcess:
         """What the controller lists and adopts by; never the node's environment (its
         credential, the TLS keys' text): anyone who can call the actor can read this."""
         return {
-            "spec": {k: v for k, v in self.spec.items() if k != "env"},
+            "spec": {k: v for k, v in self.spec.items() if k != "env"},  # an older jetctl's kept env
             "pid": self.proc.pid if self.proc else 0,
             "host": socket.gethostname(), "started_at": self.started_at,
             "running": self.proc is not None and self.proc.poll() is None,
+            "error": self.error,
         }
 
     def poll(self) -> tuple[bool, int | None]:
+        """(running, exit code). Not started yet counts as running, as an actor not placed
+        yet does: `start` may still be on its way (this actor runs calls concurrently)."""
         if self.proc is None:
-            return False, None
+            return not self.error, None
         code = self.proc.poll()
         return code is None, code
 
@@ -259,15 +295,20 @@ class RayRuntime(Runtime):
         self._remove_actor(spec.name)  # a dead one of this name (its restart)
         pg = self._group(p)
         res = dict(p.resources)
+        # the creation arguments hold no secret: Ray keeps them for the actor's life. The
+        # environment goes in one `start` call, which Ray does not retry (max_task_retries=0)
+        # and so does not keep once it ran (see the module docstring)
         actor: Any = self._actor_class.options(
             name=spec.name, namespace=self.namespace, lifetime="detached", max_restarts=0,
-            max_concurrency=4, num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0),
+            max_task_retries=0, max_concurrency=4,
+            num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0),
             memory=res.pop("memory", None), resources=res or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=p.index
             ),
             runtime_env=self.runtime_env or None,
         ).remote(_spec_json(spec))
+        actor.start.remote(dict(spec.env))  # its result unread: `poll` sees a failed start
         # returns at once: Ray places it when the group's resources are free, and `poll`
         # sees it run (or die)
         self._actors[spec.name] = actor
@@ -331,7 +372,7 @@ class RayRuntime(Runtime):
         live_groups: set[str] = set()
         removed = 0
         for name, info in self._infos():
-            if info["running"] or not info["started_at"]:
+            if info["running"] or not info["started_at"]:  # running, or not started yet
                 live_groups.add(info["spec"]["placement"]["group"])
             else:
                 self._remove_actor(name)
@@ -420,13 +461,14 @@ class RayRuntime(Runtime):
 
 
 def _spec_json(spec: NodeSpec) -> dict[str, Any]:
-    """What the actor keeps of the spec: enough to run the node and to adopt it later."""
+    """The actor's creation argument, which Ray keeps for the actor's life: enough to run
+    the node and to adopt it later, and no secret (`spec.env` goes in `start`)."""
     p = spec.placement
     assert p is not None
     return {
         "name": spec.name, "kind": spec.kind, "argv": list(spec.argv), "model": spec.model,
         "task": spec.task, "index": spec.index, "revision": spec.revision,
-        "env": dict(spec.env), "labels": dict(spec.labels), "work_dir": p.work_dir,
+        "labels": dict(spec.labels), "work_dir": p.work_dir,
         "log_path": str(spec.log_path),
         "placement": {"group": p.group, "bundles": p.bundles, "index": p.index,
                       "resources": [list(r) for r in p.resources], "work_dir": p.work_dir},

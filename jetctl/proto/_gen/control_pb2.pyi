@@ -132,7 +132,7 @@ class JoinRequest(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., revision: _Optional[str] = ..., host: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("name", "run", "revision", "index", "agent", "task_json", "model_json", "tls_mode", "servers", "refused_revisions", "recipe_json")
+    __slots__ = ("name", "run", "revision", "index", "agent", "task_json", "model_json", "tls_mode", "servers", "refused_revisions", "recipe_json", "deterministic", "ship_logs")
     class ServersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class JoinReply(_message.Message):
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
     RECIPE_JSON_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    SHIP_LOGS_FIELD_NUMBER: _ClassVar[int]
     name: str
     run: str
     revision: str
@@ -162,7 +164,9 @@ class JoinReply(_message.Message):
     servers: _containers.ScalarMap[str, str]
     refused_revisions: _containers.RepeatedScalarFieldContainer[str]
     recipe_json: str
-    def __init__(self, name: _Optional[str] = ..., run: _Optional[str] = ..., revision: _Optional[str] = ..., index: _Optional[int] = ..., agent: _Optional[str] = ..., task_json: _Optional[str] = ..., model_json: _Optional[str] = ..., tls_mode: _Optional[str] = ..., servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., recipe_json: _Optional[str] = ...) -> None: ...
+    deterministic: bool
+    ship_logs: bool
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[str] = ..., revision: _Optional[str] = ..., index: _Optional[int] = ..., agent: _Optional[str] = ..., task_json: _Optional[str] = ..., model_json: _Optional[str] = ..., tls_mode: _Optional[str] = ..., servers: _Optional[_Mapping[str, str]] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., recipe_json: _Optional[str] = ..., deterministic: _Optional[bool] = ..., ship_logs: _Optional[bool] = ...) -> None: ...
 
 class LedgerRecord(_message.Message):
     __slots__ = ("seq", "table", "op", "key", "data")
@@ -179,7 +183,7 @@ class LedgerRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., table: _Optional[str] = ..., op: _Optional[str] = ..., key: _Optional[str] = ..., data: _Optional[str] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
-    __slots__ = ("name", "kind", "task", "model", "revision", "status_json", "journal", "records", "endpoint", "metrics", "refused_revisions", "final", "host")
+    __slots__ = ("name", "kind", "task", "model", "revision", "status_json", "journal", "records", "endpoint", "metrics", "refused_revisions", "final", "host", "log_lines")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +197,7 @@ class SyncRequest(_message.Message):
     REFUSED_REVISIONS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    LOG_LINES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     task: str
@@ -206,7 +211,8 @@ class SyncRequest(_message.Message):
     refused_revisions: _containers.RepeatedScalarFieldContainer[str]
     final: bool
     host: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., status_json: _Optional[str] = ..., journal: _Optional[str] = ..., records: _Optional[_Iterable[_Union[LedgerRecord, _Mapping]]] = ..., endpoint: _Optional[str] = ..., metrics: _Optional[str] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
+    log_lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., task: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., status_json: _Optional[str] = ..., journal: _Optional[str] = ..., records: _Optional[_Iterable[_Union[LedgerRecord, _Mapping]]] = ..., endpoint: _Optional[str] = ..., metrics: _Optional[str] = ..., refused_revisions: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ..., host: _Optional[str] = ..., log_lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SyncReply(_message.Message):
     __slots__ = ("servers", "refused_revisions", "drain", "journal_seq", "message", "known", "revoked_nodes")

@@ -24,7 +24,7 @@ class LLMCall(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., model_version: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "group_id", "task", "task_id", "client_id", "client_revision", "role", "calls", "reward", "status", "error", "timings", "metadata")
+    __slots__ = ("id", "group_id", "task", "task_id", "client_id", "client_revision", "role", "calls", "reward", "status", "error", "timings", "metadata", "costs")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,13 @@ class Trajectory(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class CostsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +59,7 @@ class Trajectory(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     group_id: str
     task: str
@@ -65,7 +73,8 @@ class Trajectory(_message.Message):
     error: str
     timings: _containers.ScalarMap[str, float]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., group_id: _Optional[str] = ..., task: _Optional[str] = ..., task_id: _Optional[str] = ..., client_id: _Optional[str] = ..., client_revision: _Optional[str] = ..., role: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[LLMCall, _Mapping]]] = ..., reward: _Optional[float] = ..., status: _Optional[str] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    costs: _containers.ScalarMap[str, float]
+    def __init__(self, id: _Optional[str] = ..., group_id: _Optional[str] = ..., task: _Optional[str] = ..., task_id: _Optional[str] = ..., client_id: _Optional[str] = ..., client_revision: _Optional[str] = ..., role: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[LLMCall, _Mapping]]] = ..., reward: _Optional[float] = ..., status: _Optional[str] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., costs: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("id", "task", "task_id", "model", "trajectories")

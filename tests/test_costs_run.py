@@ -1,0 +1,125 @@
+"""The cost ledger in a real run (`jetctl up --detach`: controller, a builtin:tiny server, a
+client node): an env whose sessions report spend (`jetctl.env.Spending.cost`) has it carried
+with each trajectory to the server and summed into the step rows, and the finished run's
+`jetctl status --json` and summary line show the total.
+
+Each rollout of `PaidDigitsEnv` reports PRICE dollars of kind "judge" when its session
+closes, so a step row's `cost/usd` is PRICE times the trajectories the step consumed
+(trained on or skipped without signal), to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envs.digits.env import DigitsEnv, DigitsSession
+from jetctl.env import Spending, Task
+from jetctl.rundir import RunPaths
+
+ROOT = Path(__file__).resolve().parents[1]
+PRICE = 0.0025  # dollars per rollout, exact in binary to a few ulps over a few hundred sums
+STEPS = 3
+
+RECIPE = """\
+run: {name: costs, duration_s: 400}
+models:
+  policy:
+    model: builtin:tiny
+    finetune: full
+    optimizer: {lr: 2.0e-3}
+    train: {groups_per_step: 2, max_staleness: 4}
+tasks:
+  digits:
+    env: tests.test_costs_run:make_env
+    agent: agents.digits:agent
+    model: policy
+    clients: 1
+    group_size: 4
+    sampling: {max_tokens: 4}
+"""
+
+
+@dataclass
+class PaidDigitsSession(DigitsSession, Spending):
+    def close(self) -> None:  # a judge paid once per rollout, reported as it closes
+        self.cost(usd=PRICE, kind="judge")
+        super().close()
+
+
+@dataclass
+class PaidDigitsEnv(DigitsEnv):
+    def open(self, task: Task) -> PaidDigitsSession:
+        return PaidDigitsSession(task)
+
+
+def make_env() -> PaidDigitsEnv:
+    return PaidDigitsEnv()
+
+
+def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=check)
+
+
+def step_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = RunPaths(run_dir).steps_log("policy")
+    if not path.is_file():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # after the last newline: a row half written
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
+    tmp_path: Path,
+) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    run_dir = tmp_path / "run"
+    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
+    live: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(step_rows(run_dir)) < STEPS:
+            time.sleep(2)
+        out = jetctl("status", "--once", "--json", "--run-dir", str(run_dir), check=False)
+        if out.returncode == 0:
+            live = json.loads(out.stdout)
+        text_live = jetctl("status", "--once", "--run-dir", str(run_dir), check=False).stdout
+    finally:
+        jetctl("down", "--run-dir", str(run_dir), check=False)
+    rows = step_rows(run_dir)
+    assert len(rows) >= STEPS, f"{len(rows)} step rows within 240 s"
+    for row in rows:
+        consumed = row["trajectories"] + row["trajectories/skipped"]
+        assert row["cost/usd"] == pytest.approx(PRICE * consumed, rel=1e-9)
+        assert row["cost/usd/judge"] == row["cost/usd"]
+        assert row["cost/client_by_task"]["digits"]["usd/judge"] == pytest.approx(row["cost/usd"])
+        # every rollout process burns some CPU (imports are in the forkserver: not much)
+        assert row["cost/client_cpu_s"] > 0 and row["cost/env_s"] >= 0
+
+    # live, the running server's step log so far: at least STEPS rows, all priced the same
+    assert live, "jetctl status --once --json failed while the run was up"
+    now = live["costs"]["policy"]
+    assert now["steps"] >= STEPS and now["usd_by_kind"]["judge"] == pytest.approx(now["usd"])
+    assert now["usd"] >= PRICE * 4 * STEPS * (1 - 1e-9)  # >= one group of 4 a step
+    assert "cost policy: server CPU" in text_live and "env spend $" in text_live, text_live
+
+    status = jetctl("status", "--once", "--json", "--run-dir", str(run_dir))
+    costs = json.loads(status.stdout)["models"]["policy"]["costs"]
+    total = sum(r["cost/usd"] for r in rows)
+    assert costs["usd"] == pytest.approx(total, rel=1e-9)
+    assert costs["usd_by_kind"] == {"judge": pytest.approx(total, rel=1e-9)}
+    assert costs["tasks"]["digits"]["usd"] == pytest.approx(total, rel=1e-9)
+    assert costs["client_cpu_s"] == pytest.approx(sum(r["cost/client_cpu_s"] for r in rows))
+    text = jetctl("status", "--once", "--run-dir", str(run_dir)).stdout
+    assert f"env spend ${total:.4f} (judge ${total:.4f})" in text, text
