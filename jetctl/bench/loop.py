@@ -70,6 +70,7 @@ class RunFigures:
     staleness_mean: float
     cpu_s: dict[str, float]  # process role -> CPU seconds (user + system)
     algorithm: str = ""  # train.algorithm of both sides
+    variant: str = ""  # swarm: its train overrides (--swarm-train), "" the recipe's
     # threshold -> optimizer steps ended by then, and the groups with a signal they trained
     steps_to: dict[str, int | None] = field(default_factory=dict)
     groups_to: dict[str, int | None] = field(default_factory=dict)
@@ -152,16 +153,18 @@ def _busy(train: list[tuple[float, float]], start: float | None, end: float) -> 
 
 def task_recipe(
     raw: dict[str, Any], task: str, *, seconds: float, latency_s: float, seed: int, run_dir: Path,
-    algorithm: str | None = None,
+    algorithm: str | None = None, train: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The recipe with only `task` and its model, run for `seconds`, env slowed by latency,
-    trained with `algorithm` (None: the recipe's)."""
+    trained with `algorithm` (None: the recipe's) and the `train` overrides."""
     t = dict(raw["tasks"][task])
     model = t["model"]
     m = dict(raw["models"][model])
     m["seed"] = seed
     if algorithm is not None:
         m["train"] = {**(m.get("train") or {}), "algorithm": algorithm}
+    if train:
+        m["train"] = {**(m.get("train") or {}), **train}
     t["seed"] = seed
     if latency_s > 0:
         t["env_args"] = {
@@ -397,15 +400,48 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
 
 # --- the bench -------------------------------------------------------------------------
 
+def parse_variant(text: str) -> dict[str, Any]:
+    """`--swarm-train` text -> train overrides: space-separated key=value, each value YAML
+    ("tis_cap=2.0 order=newest" -> {"tis_cap": 2.0, "order": "newest"})."""
+    out: dict[str, Any] = {}
+    for part in text.split():
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{part!r} is not key=value (e.g. tis_cap=2.0)")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def check_variant(recipe_path: Path, task: str | None, text: str) -> None:
+    """ValueError, with the field and the reason, where `text`'s train overrides do not
+    make a valid recipe."""
+    import pydantic
+
+    from jetctl.recipe import Recipe
+
+    raw = yaml.safe_load(recipe_path.read_text())
+    task = task or next(iter(raw["tasks"]))
+    recipe = task_recipe(raw, task, seconds=60, latency_s=0, seed=0,
+                         run_dir=Path("check"), train=parse_variant(text))
+    try:
+        Recipe.model_validate(recipe)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"{where}: {first['msg']}") from None
+
 
 def run(
     recipe_path: Path, *, seconds: float, latencies: list[float], seeds: list[int],
     modes: list[str], task: str | None = None, out_dir: Path | None = None,
     progress: Any = None, loop_dynamic_sampling: bool = False,
     algorithms: list[str] | None = None, loop_groups: int = 2, until: float | None = None,
+    variants: list[str] | None = None,
 ) -> list[RunFigures]:
     """Every (latency, algorithm, seed) run in each mode; `algorithms` None: the recipe's;
-    `until`: each run stops once its rolling reward reaches it (else after `seconds`)."""
+    `until`: each run stops once its rolling reward reaches it (else after `seconds`);
+    `variants`: more swarm runs per (latency, algorithm, seed), each with those train
+    overrides (parse_variant), after the recipe's own; the loop runs once."""
     from jetctl.recipe import Recipe, load_recipe
 
     load_recipe(recipe_path)  # a broken recipe fails here, with its lines
@@ -417,14 +453,20 @@ def run(
     for latency in latencies:
         for algorithm in choices:
             for seed in seeds:
-                for mode in modes:
+                plan = [(m, "") for m in modes]
+                if "swarm" in modes:
+                    plan += [("swarm", v) for v in variants or []]
+                for mode, variant in plan:
                     tag = f"-{algorithm}" if algorithm else ""
+                    if variant:
+                        tag += "-" + "-".join(variant.split()).replace("=", "")
                     name = f"{mode}{tag}-lat{latency:g}-seed{seed}"
                     if progress:
                         progress(f"{name}: {seconds:g}s")
                     rd = base / name
                     recipe = task_recipe(raw, task, seconds=seconds, latency_s=latency,
-                                         seed=seed, run_dir=rd, algorithm=algorithm)
+                                         seed=seed, run_dir=rd, algorithm=algorithm,
+                                         train=parse_variant(variant))
                     if mode == "swarm":
                         fig = run_swarm(recipe, rd, latency, seed, until=until)
                     else:
@@ -433,6 +475,7 @@ def run(
                                        round_groups=loop_groups, until=until)
                     fig.algorithm = Recipe.model_validate(recipe).models[
                         next(iter(recipe["models"]))].train.algorithm
+                    fig.variant = variant
                     results.append(fig)
                     # after every run: a bench stopped part way keeps the runs it finished
                     (base / "bench-loop.json").write_text(
@@ -498,23 +541,27 @@ def render(results: list[RunFigures]) -> Any:
     """One table: per latency, loop | swarm | swarm/loop (medians over seeds)."""
     from rich.table import Table
 
-    # a condition: one latency and one algorithm (several: --algorithms)
-    conditions = sorted({(r.latency_s, r.algorithm) for r in results})
+    # a condition: one latency, one algorithm (several: --algorithms) and one swarm variant
+    # (--swarm-train; the loop has none and stands beside each)
+    conditions = sorted({(r.latency_s, r.algorithm, r.variant) for r in results
+                         if r.mode == "swarm" or not any(x.mode == "swarm" for x in results)})
     several = len({r.algorithm for r in results}) > 1
     modes = [m for m in ("loop", "swarm") if any(r.mode == m for r in results)]
     seeds = sorted({r.seed for r in results})
     table = Table(title=f"jetctl bench loop: medians over seeds {seeds}; ratio = swarm / loop")
     table.add_column("figure")
-    for lat, alg in conditions:
+    for lat, alg, variant in conditions:
         name = f"{lat:g}s {alg}" if several else f"{lat:g}s"
+        name += f" {variant}" if variant else ""
         for m in modes:
             table.add_column(f"{m} {name}", justify="right")
         if len(modes) == 2:
             table.add_column(f"ratio {name}", justify="right")
 
-    def pick(condition: tuple[float, str], mode: str) -> list[RunFigures]:
+    def pick(condition: tuple[float, str, str], mode: str) -> list[RunFigures]:
         return [r for r in results
-                if (r.latency_s, r.algorithm) == condition and r.mode == mode]
+                if (r.latency_s, r.algorithm) == condition[:2] and r.mode == mode
+                and (mode == "loop" or r.variant == condition[2])]
 
     rows: list[tuple[str, Any, str]] = [
         ("time to first step (s)", lambda r: r.first_step_s, "{:.1f}"),
@@ -566,7 +613,8 @@ def render(results: list[RunFigures]) -> Any:
                 ratios.append(_seed_ratio(loop_s, swarm_s))
             cells += ["", "", ",".join(ratios)]
         table.add_row(f"reward >= {thr:g}, swarm/loop by seed", *cells)
-    ledgers = [f"{r.mode} {r.latency_s:g}s{' ' + r.algorithm if several else ''} seed {r.seed}: "
+    ledgers = [f"{r.mode} {r.latency_s:g}s{' ' + r.algorithm if several else ''}"
+               f"{' ' + r.variant if r.variant else ''} seed {r.seed}: "
                f"{r.ledger}" for r in results if r.ledger]
     from rich.console import Group
     from rich.text import Text

@@ -117,6 +117,37 @@ def test_the_table_shows_each_seed_and_the_swarm_over_the_loop_seed_by_seed() ->
     assert "67(57,-,77)" in row.replace(" ", "")
 
 
+def test_a_swarm_variant_gets_its_own_columns_beside_the_one_loop() -> None:
+    """--swarm-train: each variant's swarm runs are compared with the same loop runs."""
+    from rich.console import Console
+
+    from jetctl.bench.loop import parse_variant, render
+
+    def run(mode: str, seed: int, reach8: float, variant: str = "") -> object:
+        groups = [{"t": float(t), "reward": 0.9 if t >= reach8 else 0.1, "n": 8,
+                   "informative": True} for t in range(1, 200)]
+        fig = figures(mode, 5.0, seed, wall_s=200.0, groups=groups,
+                      step_times=[10.0, 20.0, 30.0], train=[], gen_batches=[],
+                      staleness=[], cpu_s={})
+        fig.variant = variant
+        return fig
+
+    results = [run("loop", 0, 100.0), run("swarm", 0, 80.0), run("swarm", 0, 40.0, "tis_cap=2"),
+               run("loop", 1, 100.0), run("swarm", 1, 120.0), run("swarm", 1, 60.0, "tis_cap=2")]
+    console = Console(width=300, record=True)
+    console.print(render(results))  # type: ignore[arg-type]
+    text = console.export_text()
+    assert "swarm 5s tis_cap=2" in text
+    row = next(line for line in text.splitlines() if "reward >= 0.8 at (s)" in line)
+    cells = row.replace(" ", "").split("│")
+    # loop, swarm, ratio for the recipe's runs; loop, swarm, ratio for the variant's
+    assert cells[2:8] == ["117(117,117)", "117(97,137)", "1.00x", "117(117,117)",
+                          "67(57,77)", "0.57x"]
+    assert parse_variant("tis_cap=2.0 order=newest") == {"tis_cap": 2.0, "order": "newest"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_variant("tis_cap")
+
+
 def test_steps_and_groups_to_a_reward_count_what_was_trained_by_then() -> None:
     """Learning per step and per informative group: the steps that ended by the time the
     rolling reward first reached 0.8, and the groups with a signal those steps trained (a
@@ -168,3 +199,14 @@ def test_until_stops_the_swarm_process_once_the_stores_rolling_reward_reaches_it
     assert proc.wait(timeout=10) == -signal.SIGTERM
     watcher.join(timeout=5)
     assert not watcher.is_alive()
+
+
+def test_a_swarm_variant_that_makes_a_bad_recipe_is_refused_naming_the_field() -> None:
+    from jetctl.bench.loop import check_variant
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    check_variant(recipe, None, "tis_cap=2.0 order=newest")  # valid: no error
+    with pytest.raises(ValueError, match=r"train\.tis_cap: .*greater than or equal to 1"):
+        check_variant(recipe, None, "tis_cap=0.5")
+    with pytest.raises(ValueError, match=r"train\.bogus"):
+        check_variant(recipe, None, "bogus=1")

@@ -39,6 +39,11 @@ def register(bench: typer.Typer) -> None:
             "(the swarm drains: SIGTERM); time to that reward is still measured, later rows "
             "describe the stop (default: every run takes --seconds).",
         )] = None,
+        swarm_train: Annotated[list[str] | None, typer.Option(
+            help="One more swarm run per latency and seed with these train settings, "
+            "space-separated key=value, e.g. 'tis_cap=2.0' or 'order=newest max_staleness=2' "
+            "(repeat for several; the recipe's own runs too, the loop once).",
+        )] = None,
     ) -> None:
         """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
         sampling and optimizer; time to first step, s/step, trajectories/s, time to reward,
@@ -67,19 +72,28 @@ def register(bench: typer.Typer) -> None:
                  f"{', '.join(registry.names())}")
         if until is not None and not 0 < until <= 1:
             fail(f"--until ({until:g}) is a reward threshold in (0, 1], e.g. 0.8")
-        if seconds < 10:
-            fail(f"--seconds ({seconds:g}) must be at least 10")
         if not recipe.is_file():
             fail(f"no recipe at {recipe}")
+        variant_list = [v.strip() for v in swarm_train or [] if v.strip()]
+        for v in variant_list:
+            try:
+                bl.check_variant(recipe, task, v)
+            except ValueError as e:
+                fail(f"--swarm-train {v!r}: {e}")
+        if variant_list and "swarm" not in mode_list:
+            fail("--swarm-train needs the swarm in --modes")
+        if seconds < 10:
+            fail(f"--seconds ({seconds:g}) must be at least 10")
         console = Console()
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
-        runs = len(latencies) * len(seed_list) * len(mode_list) * len(algorithm_list or [None])
+        runs = len(latencies) * len(seed_list) * len(algorithm_list or [None]) * (
+            len(mode_list) + len(variant_list))
         console.print(f"{runs} runs of {seconds:g} s each (about {runs * seconds / 60:.0f} min"
                       f"{', less where a run reaches --until' if until is not None else ''})")
         results = bl.run(recipe, seconds=seconds, latencies=latencies, seeds=seed_list,
                          modes=mode_list, task=task, out_dir=out,
                          loop_dynamic_sampling=loop_dynamic_sampling, algorithms=algorithm_list,
-                         loop_groups=loop_groups, until=until,
+                         loop_groups=loop_groups, until=until, variants=variant_list,
                          progress=lambda msg: console.print(f"[dim]running {msg}[/dim]"))
         console.print(bl.render(results))
