@@ -14,7 +14,9 @@ server gets the run token; a client node its own credential (jetctl.auth: client
 its task's models only). A client container on the run's network dials the controller and
 its servers at the network's gateway (`JETCTL_ENDPOINT_OVERRIDE`), where they also listen.
 `probe_loop` (its own thread) asks each server for health and `Status`. `drain_nodes` is the
-SIGTERM-wait-SIGKILL that `down`, the end of a run and a swap share.
+SIGTERM-wait-SIGKILL that `down`, the end of a run and a swap share. Both call the runtimes
+outside the run state's lock (decide under it, act outside it, record under it), so that a
+slow docker start or kill does not hold up the run's Status and Sync calls.
 
 Servers run on the process runtime; each task's clients run on its `runtime:` (process, or
 docker: one container per node, see runtimes/docker.py).
@@ -40,12 +42,14 @@ from jetctl.controller.runtimes.base import (
     NodeHandle,
     NodeKind,
     NodeSpec,
+    NodeState,
     Placement,
     Runtime,
 )
 from jetctl.controller.state import (
     FIRST_REVISION,
     Node,
+    NodeRunState,
     RunState,
     TaskRevision,
     client_node_name,
@@ -81,6 +85,21 @@ class ControllerOptions:
     plot_every_s: float = 30.0  # reward curve refresh period during the run
     probe_s: float = 1.0  # server Status poll period
     probe_timeout_s: float = 1.0
+
+
+# a node whose drain began while it started did no work yet: it gets this long to stop
+ORPHAN_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Start:
+    """A start decided under the lock: the node, the state it was decided in (it is
+    recorded only if the node is still in that state) and what to run."""
+
+    node: Node
+    was: NodeRunState
+    restart: bool
+    spec: NodeSpec
 
 
 class CommandBuilder(Protocol):
@@ -433,29 +452,65 @@ class Reconciler:
         )
 
     # -- the loop -------------------------------------------------------------------------
+    #
+    # The runtimes are called outside the run state's lock: a docker start or kill takes
+    # seconds, and every Status and Sync of the run waits on that lock. What to do is decided
+    # under it, done outside it, and recorded under it again only for a node no other thread
+    # changed meanwhile (a drain that began during a start wins: the new node is stopped).
 
     def tick(self) -> None:
         """One pass: notice exits and readiness, start what is due."""
+        self.container_gateway()  # a node's spec reads it; made (docker) on first use, here
+        with self.state.lock:
+            watched = [
+                (n, h) for n in self.state.nodes.values()
+                if n.managed and (h := n.handle) is not None and n.state in ("starting", "running")
+            ]
+        seen = [(n, h, self.rt(h).poll(h)) for n, h in watched]
         now = time.monotonic()
         with self.state.lock:
-            for node in self.state.nodes.values():
-                if not node.managed:
-                    self._follow(node)
-                elif node.handle is not None and node.state in ("starting", "running"):
-                    st = self.rt(node.handle).poll(node.handle)
-                    if not st.running:
-                        self._on_exit(node, st.exit_code, now)
-                    elif node.state == "starting" and self._ready(node):
-                        node.state = "running"
-                        if node.kind == "server":
-                            self.state.ever_ready.add(node.model)
-                        log.info("%s is up (pid %s)", node.name, node.last_pid)
-                elif node.state == "restarting" and now >= node.next_start_at:
-                    self._start(node, restart=True)
-                elif node.state == "pending" and (
-                    node.kind == "server" or self._servers_were_ready(node)
-                ):
-                    self._start(node, restart=False)
+            exited = self._record_polls(seen, now)
+            starts = self._due_starts(now, skip={n.name for n, _ in exited})
+        for _, h in exited:
+            self.rt(h).release(h)
+        for start in starts:
+            self._start(start)
+
+    def _record_polls(
+        self, seen: Sequence[tuple[Node, NodeHandle, NodeState]], now: float
+    ) -> list[tuple[Node, NodeHandle]]:
+        """Exits and readiness of the polled nodes still on the handle and state they were
+        polled in (a drain takes a node over); returns the exited ones, to release."""
+        exited: list[tuple[Node, NodeHandle]] = []
+        for node, handle, st in seen:
+            if node.handle is not handle or node.state not in ("starting", "running"):
+                continue
+            if not st.running:
+                self._on_exit(node, st.exit_code, now)
+                exited.append((node, handle))
+            elif node.state == "starting" and self._ready(node):
+                node.state = "running"
+                if node.kind == "server":
+                    self.state.ever_ready.add(node.model)
+                log.info("%s is up (pid %s)", node.name, node.last_pid)
+        return exited
+
+    def _due_starts(self, now: float, skip: set[str]) -> list[_Start]:
+        """Follow the nodes the controller does not start; the starts that are due (a node
+        that exited in this pass waits for the next), each counted and specified."""
+        starts: list[_Start] = []
+        for node in self.state.nodes.values():
+            if not node.managed:
+                self._follow(node)
+            elif node.name in skip or node.handle is not None:
+                continue
+            elif node.state == "restarting" and now >= node.next_start_at:
+                starts.append(self._begin_start(node, restart=True))
+            elif node.state == "pending" and (
+                node.kind == "server" or self._servers_were_ready(node)
+            ):
+                starts.append(self._begin_start(node, restart=False))
+        return starts
 
     def _servers_were_ready(self, node: Node) -> bool:
         """A client starts once each model its task trains (a team: several) was ready once."""
@@ -477,26 +532,49 @@ class Reconciler:
             self.state.ever_ready.add(node.model)
             log.info("%s is up (on %s)", node.name, node.host or "?")
 
-    def _start(self, node: Node, restart: bool) -> None:
+    def _begin_start(self, node: Node, restart: bool) -> _Start:
+        """Under the lock: count the start and take the node's spec."""
         if restart:
             node.restarts += 1
         if node.kind == "server":
             self.state.healthy[node.model] = False
         node.started_at = time.time()
+        return _Start(node, node.state, restart, self.spec(node))
+
+    def _start(self, start: _Start) -> None:
+        """Start the node outside the lock; record it under the lock if it is still in the
+        state the start was decided in, else stop what started (a drain or a swap's
+        rollback took the node meanwhile)."""
+        node, rt = start.node, self.runtimes[start.node.runtime]
         try:
-            handle = self.runtimes[node.runtime].start(self.spec(node))
+            handle = rt.start(start.spec)
         except OSError as e:
             log.error("could not start %s: %s", node.name, e)
-            self._schedule_restart(node, time.monotonic())
+            with self.state.lock:
+                if self._still(start):
+                    self._schedule_restart(node, time.monotonic())
             return
-        node.handle, node.last_pid = handle, handle.pid or 0
-        node.state, node.up_since, node.exit_code = "starting", time.monotonic(), None
-        verb = f"restarted (restart {node.restarts})" if restart else "started"
+        with self.state.lock:
+            kept = self._still(start)
+            if kept:
+                node.handle, node.last_pid = handle, handle.pid or 0
+                node.state, node.up_since, node.exit_code = "starting", time.monotonic(), None
+        if not kept:
+            log.info("%s was drained while it started: stopping it", node.name)
+            rt.stop(handle, ORPHAN_GRACE_S)
+            rt.release(handle)
+            return
+        verb = f"restarted (restart {node.restarts})" if start.restart else "started"
         log.info("%s %s, pid %s", node.name, verb, handle.pid)
 
+    def _still(self, start: _Start) -> bool:
+        """The node is in the run, without a handle, in the state its start was decided in."""
+        node = start.node
+        return (self.state.nodes.get(node.name) is node and node.handle is None
+                and node.state == start.was)
+
     def _on_exit(self, node: Node, code: int | None, now: float) -> None:
-        assert node.handle is not None
-        self.rt(node.handle).release(node.handle)
+        """Record an exit (the caller releases the handle, outside the lock)."""
         node.handle, node.exit_code = None, code
         if node.kind == "server":
             self.state.healthy[node.model] = False
@@ -529,7 +607,8 @@ class Reconciler:
         """SIGTERM `nodes`, wait up to `grace_s` (or a kill request), SIGKILL the rest.
         A node another thread finished meanwhile (handle None) is skipped. A node the
         controller did not start is told to drain at its next sync and waited for until its
-        last sync (or the grace is up: then it is forgotten, it cannot be killed from here)."""
+        last sync (or the grace is up: then it is forgotten, it cannot be killed from here).
+        The runtime calls are made outside the lock, like the tick's."""
         lock = self.state.lock
         since = time.time()
         with lock:
@@ -538,48 +617,62 @@ class Reconciler:
                 if n not in live:
                     n.state = "exited"
             for n in live:
-                if n.handle is not None:
-                    rt = self.rt(n.handle)
-                    if rt.poll(n.handle).running:
-                        rt.terminate(n.handle)
                 n.state = "draining"
+            signalled = [n.handle for n in live if n.handle is not None]
+        for h in signalled:
+            rt = self.rt(h)
+            if rt.poll(h).running:
+                rt.terminate(h)
         if live:
             log.info("draining %d %s node(s), grace %.0fs", len(live), what, grace_s)
         deadline = time.monotonic() + grace_s
         while live:
             with lock:
+                watched: list[tuple[Node, NodeHandle]] = []
                 for n in list(live):
                     if n.handle is None and n.managed:
                         live.remove(n)
-                        continue
-                    if not n.managed:
+                    elif not n.managed:
                         if self._said_goodbye(n, since):
                             n.state = "exited"
                             live.remove(n)
-                        continue
-                    assert n.handle is not None
-                    st = self.rt(n.handle).poll(n.handle)
-                    if not st.running:
-                        self._finish_node(n, st.exit_code)
-                        live.remove(n)
+                    else:
+                        assert n.handle is not None
+                        watched.append((n, n.handle))
+            seen = [(n, h, self.rt(h).poll(h)) for n, h in watched]
+            gone = [(n, h, st) for n, h, st in seen if not st.running]
+            with lock:
+                mine = [h for n, h, st in gone if self._finish_node(n, h, st.exit_code)]
+            for h in mine:
+                self.rt(h).release(h)
+            live = [n for n in live if all(n is not g for g, _, _ in gone)]
             if not live:
                 break
             if time.monotonic() >= deadline or self._kill_now.is_set():
-                with lock:
-                    for n in live:
-                        if not n.managed:
-                            log.warning("%s (on %s) did not drain in time: forgotten",
-                                        n.name, n.host or "?")
-                            n.state = "exited"
-                            continue
-                        if n.handle is None:
-                            continue
-                        log.warning("%s did not drain in time: SIGKILL", n.name)
-                        rt = self.rt(n.handle)
-                        rt.kill(n.handle)
-                        self._finish_node(n, rt.poll(n.handle).exit_code)
+                self._kill_nodes(live)
                 break
             time.sleep(0.1)
+
+    def _kill_nodes(self, nodes: Sequence[Node]) -> None:
+        """The end of a drain's grace: SIGKILL the managed nodes, forget the others."""
+        with self.state.lock:
+            doomed: list[tuple[Node, NodeHandle]] = []
+            for n in nodes:
+                if not n.managed:
+                    log.warning("%s (on %s) did not drain in time: forgotten",
+                                n.name, n.host or "?")
+                    n.state = "exited"
+                elif n.handle is not None:
+                    log.warning("%s did not drain in time: SIGKILL", n.name)
+                    doomed.append((n, n.handle))
+        for n, h in doomed:
+            rt = self.rt(h)
+            rt.kill(h)
+            code = rt.poll(h).exit_code
+            with self.state.lock:
+                mine = self._finish_node(n, h, code)
+            if mine:
+                rt.release(h)
 
     def _heard_of(self, node: Node) -> bool:
         """A node the controller did not start that synced lately (a drain can reach it)."""
@@ -591,11 +684,14 @@ class Reconciler:
             report.final or report.state == "exited"
         )
 
-    def _finish_node(self, node: Node, code: int | None) -> None:
-        assert node.handle is not None
-        self.rt(node.handle).release(node.handle)
+    def _finish_node(self, node: Node, handle: NodeHandle, code: int | None) -> bool:
+        """Record the exit of `handle`, unless another thread did; True: the caller releases it
+        (outside the lock)."""
+        if node.handle is not handle:
+            return False
         node.handle, node.exit_code, node.state = None, code, "exited"
         log.info("%s exited (code %s)", node.name, code)
+        return True
 
     # -- probing the servers --------------------------------------------------------------
 
