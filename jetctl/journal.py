@@ -48,6 +48,7 @@ SPOOL_TABLES: Mapping[str, Tracked] = {
         "group_id", ("n_trajectories", "outcome", "reason", "trajectory_ids", "model")
     ),
     "dropped": Tracked("trajectory_id", ("reason", "model")),
+    "outcome_totals": Tracked("key", ("model", "outcome", "groups", "trajectories")),
 }
 # ... and of a server's store (jetctl.server.store)
 STORE_TABLES: Mapping[str, Tracked] = {

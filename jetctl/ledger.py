@@ -13,9 +13,14 @@ section 6), or is still in flight:
     dropped(timeout | failed | dead-letter | lost)   given up by the client, with the error
     in flight: rollout | client_spool | server_buffer
 
-It joins ids, never counters: each server's store (groups with their trajectory ids,
+It joins ids, not counters: each server's store (groups with their trajectory ids,
 state, refusal, step; the train log and the epochs of restarts) and each node's spool
-(rollouts in progress, pending groups, acked outcomes, dropped trajectories). Those files
+(rollouts in progress, pending groups, acked outcomes, dropped trajectories). The one
+counter: a spool keeps only its recent acks as rows and folds older ones into totals per
+(model, outcome) (jetctl.client.spool `outcome_totals`); a folded ack's ids are the ones a
+server holds that no spool names (they would read as `server_only`), and its ids no server
+holds count as they would have (rejected with its refusal; lost or awaiting reports when
+accepted), so the totals are the same before and after the fold. Those files
 live on their nodes' hosts; every change to them is journaled (jetctl.journal) and synced to
 the controller, and `build_ledger` reads the controller's copy (`<run_dir>/received.sqlite`,
 jetctl.controller.received), so it works across hosts that share no disk, on a live run and
@@ -294,6 +299,7 @@ class _SpoolFacts:
         default_factory=list
     )  # group, n, outcome, reason, ids
     dropped: list[tuple[str, str, str]] = field(default_factory=list)  # trajectory id, reason
+    folded: list[tuple[str, str, int]] = field(default_factory=list)  # model, outcome, ids
 
 
 def _spool_facts(node: str, spool: _SpoolFacts, behind: bool) -> dict[str, list[_ClientFact]]:
@@ -347,6 +353,7 @@ def build_ledger(run_dir: Path) -> Ledger:
         for tid, found in _store_rows(j.name, rows, epochs, log, ledger).items():
             server.setdefault(tid, []).extend(found)
     client: dict[str, list[_ClientFact]] = {}
+    folded: list[tuple[str, str, int]] = []
     for j in sorted(clients.values(), key=lambda j: j.name):
         t = j.tables
         spool = _SpoolFacts(
@@ -359,13 +366,17 @@ def build_ledger(run_dir: Path) -> Ledger:
                       for k, r in (t.get("outcomes") or {}).items()],
             dropped=[(k, str(r["reason"]), _model(r))
                      for k, r in (t.get("dropped") or {}).items()],
+            folded=[(_model(r), str(r["outcome"]), int(r["trajectories"]))
+                    for r in (t.get("outcome_totals") or {}).values()],
         )
         ledger.nodes.append(j.name)
+        folded += spool.folded
         for tid, facts in _spool_facts(j.name, spool, behind=not j.final).items():
             client.setdefault(tid, []).extend(facts)
     servers_behind = any(not j.final for j in servers.values())
     for tid in server.keys() | client.keys():
         _classify(tid, server.get(tid, []), client.get(tid, []), ledger, servers_behind)
+    _count_folded(folded, server, client, ledger, servers_behind)
     return ledger
 
 
@@ -416,7 +427,10 @@ def _read_store(model: str, path: Path, ledger: Ledger) -> dict[str, list[_Serve
     return _store_rows(model, rows, epochs, log, ledger)
 
 
-def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
+def _read_spool(
+    node: str, path: Path, folded: list[tuple[str, str, int]]
+) -> dict[str, list[_ClientFact]]:
+    """The spool's facts by trajectory id; its folded acks are appended to `folded`."""
     spool = _SpoolFacts()
     with _read_only(path) as db:
         def col(table: str, name: str) -> str:  # a column older spools lack reads as ''
@@ -437,6 +451,8 @@ def _read_spool(node: str, path: Path) -> dict[str, list[_ClientFact]]:
         spool.dropped = db.execute(
             f"SELECT trajectory_id, reason, {col('dropped', 'model')} FROM dropped"
         ).fetchall()
+        if "outcome_totals" in _tables(db):
+            folded += db.execute("SELECT model, outcome, trajectories FROM outcome_totals")
     return _spool_facts(node, spool, behind=False)
 
 
@@ -450,12 +466,14 @@ def ledger_from_files(run_dir: Path) -> Ledger:
         for tid, rows in _read_store(model, path, ledger).items():
             server.setdefault(tid, []).extend(rows)
     client: dict[str, list[_ClientFact]] = {}
+    folded: list[tuple[str, str, int]] = []
     for node, path in paths.spools().items():
         ledger.nodes.append(node)
-        for tid, facts in _read_spool(node, path).items():
+        for tid, facts in _read_spool(node, path, folded).items():
             client.setdefault(tid, []).extend(facts)
     for tid in server.keys() | client.keys():
         _classify(tid, server.get(tid, []), client.get(tid, []), ledger, False)
+    _count_folded(folded, server, client, ledger, False)
     return ledger
 
 
@@ -522,3 +540,41 @@ def _classify(
         )
     else:
         ledger.tally(model, "rejected", f.detail)
+
+
+def _count_folded(
+    folded: list[tuple[str, str, int]], server: dict[str, list[_ServerRow]],
+    client: dict[str, list[_ClientFact]], ledger: Ledger, servers_behind: bool,
+) -> None:
+    """Count the acks spools folded into totals (model, outcome, trajectories), after
+    `_classify` counted every id: a folded ack's ids that a server holds were classified by
+    the server's row and read as `server_only` (no spool names them any more), so they
+    leave `server_only`; those no server holds count as the spool's row would have made
+    them count. A server stores every group it answers for but an invalid one (which is
+    never matched: it counts as rejected), and acks are matched first."""
+    if not folded:
+        return
+    unnamed = Counter(rows[0].model for tid, rows in server.items() if tid not in client)
+
+    def held(model: str, n: int) -> int:  # a spool from before teams ('') matches any model
+        got = 0
+        for m in [model] if model else list(unnamed):
+            take = min(n - got, unnamed[m])
+            unnamed[m] -= take
+            got += take
+        return got
+
+    for model, outcome, n in sorted(folded, key=lambda f: f[1] not in ("accepted", "duplicate")):
+        found = 0 if outcome == "invalid" else held(model, n)
+        ledger.server_only -= found
+        for _ in range(n - found):
+            if outcome not in ("accepted", "duplicate"):
+                ledger.tally(model, "rejected", outcome)
+            elif servers_behind:
+                ledger.tally(model, "awaiting_reports")
+            else:
+                ledger.problem(
+                    "lost", "(folded)",
+                    f"a spool holds a folded {outcome} ack of {model}; no server has its ids",
+                    model,
+                )

@@ -163,7 +163,8 @@ class Producer:
             await self._steer()
             # enough groups queued for the rollout slots, and one more ready to start
             max_inflight = math.ceil(self.slots.limit / cfg.task.group_size) + 1
-            self.backpressure = self.spool.bytes() > cfg.task.spool_max_bytes
+            # what the groups in flight will add counts: they cannot carry it past the mark
+            self.backpressure = self.spool.committed_bytes() > cfg.task.spool_max_bytes
             if self.backpressure or len(inflight) >= max_inflight:
                 # back-pressure, or enough groups queued for the rollout slots
                 if inflight:

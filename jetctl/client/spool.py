@@ -1,7 +1,7 @@
 """The client node's durable spool: trajectory groups wait here until the server acks them.
 
 One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FULL`, so a
-`put` that returned survives `kill -9` and power loss). Four tables:
+`put` that returned survives `kill -9` and power loss). Five tables:
 
 * `inflight` - one row per trajectory id of a rollout in progress (written before the
   rollout starts). `put` and `drop` remove the rows in the same transaction (`drop_group`
@@ -10,21 +10,32 @@ One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FUL
   rollouts, never half a group.
 * `pending`  - groups not yet acked: id, serialized `TrajectoryGroup` protobuf, trajectory
   count and ids, created_at, attempts, next_attempt_at. A group leaves only through `ack`.
-* `outcomes` - one row per acked group: accepted | duplicate | stale | invalid | revision,
-  with the server's reason and the group's trajectory ids.
+* `outcomes` - one row per recently acked group: accepted | duplicate | stale | invalid |
+  revision, with the server's reason and the group's trajectory ids. Only the newest
+  `keep_outcomes` rows stay: older ones are folded (`compact`, run by `ack`) into
+* `outcome_totals` - groups and trajectories per (model, outcome) of the acked groups whose
+  rows were folded, so the spool's size does not grow with the run's age while every total
+  (`counts`, the ledger's) stays what it was. A folded group's `outcome` reads None.
 * `dropped`  - one row per trajectory the node gave up on before sending (timeout | failed |
   dead-letter | lost), with the error text and traceback.
 
-The trajectory ids are what `jetctl.ledger` balances against the servers' stores. Every
+The trajectory ids are what `jetctl.ledger` balances against the servers' stores (a folded
+ack's ids are the server's to name: the ledger counts them from `outcome_totals`). Every
 row also names the model its trajectories are for (`model`; '' in spools written before
 teams, whose node served one model), so the ledger balances per model: a team task's node
 spools one group per role, each bound for its own model's server.
 
 The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
-node's job, and `bytes` is what it reads: a running count of the pending payload bytes, read
-from the file once at open and kept by each write after it commits (O(1), however many groups
-wait). Used from one thread of one process; sqlite's own locking makes a second opener (a
-restarted node) safe (another opener's writes are not in this one's `bytes` until it reopens).
+node's job, and `committed_bytes` is what it reads where it adds a group: `bytes` (a running
+count of the pending payload bytes, read from the file once at open and kept by each write
+after it commits: O(1), however many groups wait) plus the groups still in progress at the
+mean size of the groups spooled so far, so the groups in flight cannot carry the spool past
+the watermark when they land (before the first group lands their size is unknown: 0).
+Used from one thread of one process; sqlite's own locking makes a second opener (a restarted
+node) safe (another opener's writes are not in this one's `bytes` until it reopens).
+
+Left out: pruning the ledger journal (`jetctl.journal`) that a node installs in this file:
+its records of every change stay, so the file still grows with them.
 
     spool = Spool(path)
     spool.put(group_id, payload, n_trajectories)
@@ -43,6 +54,7 @@ from typing import Literal
 Outcome = Literal["accepted", "duplicate", "stale", "invalid", "revision"]
 DropReason = Literal["timeout", "failed", "dead-letter", "lost"]
 OUTCOMES: tuple[str, ...] = ("accepted", "duplicate", "stale", "invalid", "revision")
+KEEP_OUTCOMES = 10_000  # acked groups' rows kept as rows (for `outcome`, a trace); older: totals
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending (
@@ -60,6 +72,13 @@ CREATE TABLE IF NOT EXISTS outcomes (
     outcome TEXT NOT NULL,
     reason TEXT NOT NULL,
     time REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outcome_totals (
+    key TEXT PRIMARY KEY,  -- outcome ':' model (the journal keys rows by one column)
+    model TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    groups INTEGER NOT NULL,
+    trajectories INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS dropped (
     trajectory_id TEXT PRIMARY KEY,
@@ -112,15 +131,28 @@ class SpoolCounts:
 
     pending_groups: int
     pending_bytes: int
-    outcomes: dict[str, int]  # outcome -> groups
+    outcomes: dict[str, int]  # outcome -> groups (rows and folded totals)
     dropped: dict[str, int]  # reason -> trajectories
+
+
+@dataclass(frozen=True)
+class OutcomeTotal:
+    """Acked groups folded out of `outcomes`: how many, of one model, with one outcome."""
+
+    model: str
+    outcome: str
+    groups: int
+    trajectories: int
 
 
 class Spool:
     """Durable pending groups, acked outcomes and dropped trajectories (see module docstring)."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, keep_outcomes: int = KEEP_OUTCOMES) -> None:
+        if keep_outcomes < 0:
+            raise ValueError(f"keep_outcomes ({keep_outcomes}) must be at least 0")
         self.path = Path(path)
+        self.keep_outcomes = keep_outcomes
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: autocommit; each write below is one explicit transaction.
         self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
@@ -131,9 +163,13 @@ class Spool:
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-        self._bytes = int(  # the pending payload bytes, kept by each write from here on
-            self._db.execute("SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM pending").fetchone()[0]
-        )
+        n, size = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM pending"
+        ).fetchone()
+        self._bytes = int(size)  # the pending payload bytes, kept by each write from here on
+        # groups spooled and their bytes (the mean size of a group in flight)
+        self._seen_groups, self._seen_bytes = int(n), int(size)
+        self._n_outcomes = int(self._db.execute("SELECT COUNT(*) FROM outcomes").fetchone()[0])
 
     def close(self) -> None:
         self._db.close()
@@ -159,6 +195,15 @@ class Spool:
             n = self._db.execute("UPDATE pending SET model = ? WHERE model = ''", (model,)).rowcount
             for table in ("inflight", "outcomes", "dropped"):
                 self._db.execute(f"UPDATE {table} SET model = ? WHERE model = ''", (model,))
+            self._db.execute(  # totals folded before the label: merged into the model's
+                "INSERT INTO outcome_totals (key, model, outcome, groups, trajectories)"
+                " SELECT outcome || ':' || ?, ?, outcome, groups, trajectories"
+                " FROM outcome_totals WHERE model = '' AND 1"
+                " ON CONFLICT(key) DO UPDATE SET groups = groups + excluded.groups,"
+                " trajectories = trajectories + excluded.trajectories",
+                (model, model),
+            )
+            self._db.execute("DELETE FROM outcome_totals WHERE model = ''")
         return int(n)
 
     def recover_lost(self, error: str, now: float | None = None) -> int:
@@ -204,32 +249,40 @@ class Spool:
         ids = ",".join(trajectory_ids or [])
         with self._tx():
             added = self._insert_pending(group_id, payload, n_trajectories, t, ids, model)
-        self._bytes += added
+        self._added(added)
 
     def put_all(self, groups: list[SpooledGroup], now: float | None = None) -> None:
         """`put` for several groups in one transaction: a team's groups of one rollout batch
         (one per role) are spooled together or not at all."""
         t = time.time() if now is None else now
-        added = 0
+        added: list[int | None] = []
         with self._tx():
             for g in groups:
-                added += self._insert_pending(
+                added.append(self._insert_pending(
                     g.id, g.payload, len(g.trajectory_ids), t, ",".join(g.trajectory_ids), g.model
-                )
-        self._bytes += added
+                ))
+        self._added(*added)
+
+    def _added(self, *sizes: int | None) -> None:
+        """Groups a committed write added (None: the id was pending already)."""
+        for size in sizes:
+            if size is not None:
+                self._bytes += size
+                self._seen_groups += 1
+                self._seen_bytes += size
 
     def _insert_pending(
         self, group_id: str, payload: bytes, n: int, t: float, ids: str, model: str
-    ) -> int:
+    ) -> int | None:
         """Insert a pending group (an id already pending is left as it is); returns the
-        payload bytes it added."""
+        payload bytes it added (None when it added none)."""
         inserted = self._db.execute(
             "INSERT OR IGNORE INTO pending (id, payload, n_trajectories, created_at, attempts,"
             " next_attempt_at, trajectory_ids, model) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
             (group_id, payload, n, t, t, ids, model),
         ).rowcount
         self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
-        return len(payload) if inserted == 1 else 0
+        return len(payload) if inserted == 1 else None
 
     def ack(
         self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
@@ -246,6 +299,9 @@ class Spool:
             ).fetchone()
             if row is None:
                 return  # already acked (a retried Submit answered twice)
+            new = self._db.execute(
+                "SELECT 1 FROM outcomes WHERE group_id = ?", (group_id,)
+            ).fetchone() is None
             self._db.execute(
                 "INSERT OR REPLACE INTO outcomes (group_id, n_trajectories, outcome, reason, time,"
                 " trajectory_ids, model) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -253,6 +309,36 @@ class Spool:
             )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
         self._bytes -= int(row[3])
+        self._n_outcomes += new
+        # fold in batches (a tenth of what is kept): one short transaction every so often
+        if self._n_outcomes > self.keep_outcomes + self.keep_outcomes // 10:
+            self.compact()
+
+    def compact(self, keep: int | None = None) -> int:
+        """Fold all but the newest `keep` (default `keep_outcomes`) acked groups' rows into
+        `outcome_totals`, in one transaction; returns how many rows were folded. Totals
+        (`counts`, the ledger's) are the same before and after."""
+        keep = self.keep_outcomes if keep is None else keep
+        excess = self._n_outcomes - keep
+        if excess <= 0:
+            return 0
+        with self._tx():
+            # rowid order is ack order: INSERT OR REPLACE gives a re-acked row a new rowid
+            cut = self._db.execute(
+                "SELECT rowid FROM outcomes ORDER BY rowid LIMIT 1 OFFSET ?", (excess - 1,)
+            ).fetchone()[0]
+            # `WHERE` before `ON CONFLICT`: sqlite's upsert-after-SELECT parsing rule
+            self._db.execute(
+                "INSERT INTO outcome_totals (key, model, outcome, groups, trajectories)"
+                " SELECT outcome || ':' || model, model, outcome, COUNT(*), SUM(n_trajectories)"
+                " FROM outcomes WHERE rowid <= ? GROUP BY model, outcome"
+                " ON CONFLICT(key) DO UPDATE SET groups = groups + excluded.groups,"
+                " trajectories = trajectories + excluded.trajectories",
+                (cut,),
+            )
+            n = self._db.execute("DELETE FROM outcomes WHERE rowid <= ?", (cut,)).rowcount
+        self._n_outcomes -= n
+        return int(n)
 
     def defer(self, group_id: str, delay_s: float, now: float | None = None) -> None:
         """A send failed: count the attempt and hold the group back for `delay_s`."""
@@ -352,8 +438,20 @@ class Spool:
         )
 
     def bytes(self) -> int:
-        """Payload bytes of pending groups (the back-pressure figure; a running count)."""
+        """Payload bytes of pending groups (a running count: O(1))."""
         return self._bytes
+
+    def committed_bytes(self) -> int:
+        """`bytes` plus what the groups in progress will add when they land, at the mean
+        size of the groups spooled so far: the back-pressure figure, checked where a group
+        is added (so the groups in flight cannot overshoot the watermark). The in-progress
+        groups are counted from `inflight`, whose rows are bounded by the rollout slots."""
+        if self._seen_groups == 0:
+            return self._bytes
+        groups = int(
+            self._db.execute("SELECT COUNT(DISTINCT group_id) FROM inflight").fetchone()[0]
+        )
+        return self._bytes + groups * self._seen_bytes // self._seen_groups
 
     def oldest_age_s(self, now: float | None = None) -> float:
         """Age of the oldest pending group in seconds (0 when empty)."""
@@ -367,14 +465,27 @@ class Spool:
             "SELECT outcome, COUNT(*) FROM outcomes GROUP BY outcome"
         ):
             outcomes[outcome] = int(n)
+        for total in self.outcome_totals():
+            outcomes[total.outcome] += total.groups
         dropped = {
             r: int(n)
             for r, n in self._db.execute("SELECT reason, COUNT(*) FROM dropped GROUP BY reason")
         }
         return SpoolCounts(self.depth(), self.bytes(), outcomes, dropped)
 
+    def outcome_totals(self) -> list[OutcomeTotal]:
+        """The acked groups folded out of `outcomes`, per (model, outcome)."""
+        return [
+            OutcomeTotal(str(m), str(o), int(g), int(n))
+            for m, o, g, n in self._db.execute(
+                "SELECT model, outcome, groups, trajectories FROM outcome_totals"
+                " ORDER BY model, outcome"
+            )
+        ]
+
     def outcome(self, group_id: str) -> tuple[str, str] | None:
-        """(outcome, reason) of an acked group, None if not acked."""
+        """(outcome, reason) of an acked group, None if not acked or its row was folded
+        into `outcome_totals` (see `compact`)."""
         row = self._db.execute(
             "SELECT outcome, reason FROM outcomes WHERE group_id = ?", (group_id,)
         ).fetchone()
