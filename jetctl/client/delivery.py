@@ -164,9 +164,7 @@ class Delivery:
             return len(due)
         t0 = time.perf_counter()
         try:
-            reply = await self._timed_submit(
-                [pb.TrajectoryGroup.FromString(i.payload) for i in batch]
-            )
+            reply = await self._timed_submit([i.payload for i in batch])  # sent as stored
         except (grpc.aio.AioRpcError, EndpointNotFound) as e:
             if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 # the server refused the request whole: every group in it is invalid. With
@@ -243,7 +241,7 @@ class Delivery:
         self.stats.drop("dead-letter", len(group.trajectories))
         self.metrics.dropped.labels(reason="dead-letter").inc(len(group.trajectories))
 
-    async def _timed_submit(self, groups: list[pb.TrajectoryGroup]) -> pb.SubmitReply:
+    async def _timed_submit(self, groups: list[bytes]) -> pb.SubmitReply:
         """`transport.submit`, noting when it started (the status's liveness check)."""
         self._submit_since = time.monotonic()
         try:

@@ -8,7 +8,10 @@
 * Keepalive pings every 10 s (5 s timeout, also without calls) detect a dead link; the
   server must permit that ping rate.
 * Message caps: 64 MiB until `register()`, then the server's `max_message_bytes` both ways.
-* `submit` retries UNAVAILABLE / DEADLINE_EXCEEDED with capped exponential backoff and full
+* `submit` takes groups as the spool stores them (each one's serialized `TrajectoryGroup`)
+  and sends those bytes as they are: a `SubmitRequest` on the wire is its groups' bytes,
+  each behind field 1's tag and its length (`submit_request_bytes`), so nothing is parsed
+  and serialized again on the way out. It retries UNAVAILABLE / DEADLINE_EXCEEDED with capped exponential backoff and full
   jitter (tenacity). Resending is safe: group ids are idempotency keys and a group the
   server already holds comes back DUPLICATE. The acks themselves (STALE, INVALID, REVISION)
   are final and returned as they are; deciding what to do with them is the node's job.
@@ -66,6 +69,39 @@ T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 BOOTSTRAP_MESSAGE_BYTES = 64 * 1024 * 1024
 PULL_WEIGHTS = "/jetctl.swarm.v1.Swarm/PullWeights"
+SUBMIT = "/jetctl.swarm.v1.Swarm/Submit"
+_SUBMIT_GROUPS_TAG = b"\x0a"  # SubmitRequest.groups: field 1, wire type 2 (length-delimited)
+
+
+def submit_request_bytes(groups: Sequence[pb.TrajectoryGroup | bytes]) -> bytes:
+    """The serialized `SubmitRequest` of `groups`: a repeated message field is encoded as
+    each element's bytes behind the field's tag and a varint length, so serialized groups
+    are joined as they are (the protobuf encoding guide, "Embedded messages")."""
+    out = bytearray()
+    for g in groups:
+        payload = g if isinstance(g, bytes) else g.SerializeToString()
+        out += _SUBMIT_GROUPS_TAG
+        n = len(payload)
+        while n >= 0x80:  # base-128 varint, low groups first
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+        out += payload
+    return bytes(out)
+
+
+class _Parsed(Sequence[pb.TrajectoryGroup]):
+    """Groups as messages, parsed only when read (tracing reads them only when on)."""
+
+    def __init__(self, groups: Sequence[pb.TrajectoryGroup | bytes]) -> None:
+        self._groups = groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, i: int) -> pb.TrajectoryGroup:  # type: ignore[override]
+        g = self._groups[i]
+        return pb.TrajectoryGroup.FromString(g) if isinstance(g, bytes) else g
 
 
 class EndpointNotFound(Exception):
@@ -383,18 +419,23 @@ class SwarmTransport:
             # up to half again as long: nodes refused together do not all come back together
             await asyncio.sleep(wait_s * random.uniform(1.0, 1.5))
 
-    async def submit(self, groups: Sequence[pb.TrajectoryGroup]) -> pb.SubmitReply:
-        """Send groups, get one ack per group. Raises `grpc.aio.AioRpcError` after retries."""
-        request = pb.SubmitRequest(groups=list(groups))
+    async def submit(self, groups: Sequence[pb.TrajectoryGroup | bytes]) -> pb.SubmitReply:
+        """Send groups (messages, or serialized `TrajectoryGroup`s sent as they are), get
+        one ack per group. Raises `grpc.aio.AioRpcError` after retries."""
+        request = submit_request_bytes(groups)
 
         async def call(stub: pb_grpc.SwarmStub) -> pb.SubmitReply:
-            return await stub.Submit(
+            assert self._channel is not None  # opened with the stub
+            submit = self._channel.unary_unary(
+                SUBMIT, request_serializer=None, response_deserializer=pb.SubmitReply.FromString
+            )
+            reply: pb.SubmitReply = await submit(
                 request, metadata=self._metadata(), timeout=self.call_timeout_s
             )
+            return reply
 
-        with tracing.submit_call(groups):
-            reply: pb.SubmitReply = await self._retrying(call)
-        return reply
+        with tracing.submit_call(_Parsed(groups)):
+            return await self._retrying(call)
 
     async def pull_weights(self, have_version: int) -> Weights | None:
         """The server's current weights if newer than `have_version`, else None."""

@@ -13,7 +13,13 @@ from typing import Any
 import grpc
 import pytest
 
-from jetctl.client.transport import RetryPolicy, SwarmTransport, WeightsError
+from jetctl.client.transport import (
+    RetryPolicy,
+    SwarmTransport,
+    WeightsError,
+    _Parsed,
+    submit_request_bytes,
+)
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_to_pb
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server, weight_chunks
@@ -168,5 +174,34 @@ async def test_a_pull_reuses_a_dropped_payload_buffer_and_never_one_still_viewed
     del third, view
     fourth = await pull(3)
     assert id(fourth.data.obj) == second_buffer and fourth.data == payloads[3]
+    await transport.close()
+    await server.stop(None)
+
+
+def test_a_request_built_from_stored_bytes_is_the_message_protobuf_would_write() -> None:
+    """Groups sent as the spool stores them: the request's bytes are the ones protobuf
+    writes for the same groups (lengths of 1, 2 and 3 varint bytes), and parse back."""
+    groups = [group_to_pb(make_group()) for _ in range(3)]
+    groups[1].trajectories[0].metadata["pad"] = "x" * 200  # a 2-byte length
+    groups[2].trajectories[0].metadata["pad"] = "y" * 20_000  # a 3-byte length
+    payloads = [g.SerializeToString() for g in groups]
+    expected = pb.SubmitRequest(groups=groups).SerializeToString()
+    assert submit_request_bytes(payloads) == expected
+    assert submit_request_bytes(groups) == expected
+    assert list(pb.SubmitRequest.FromString(submit_request_bytes(payloads)).groups) == groups
+    assert submit_request_bytes([]) == b""
+    assert list(_Parsed(payloads)) == groups, "what tracing reads of a Submit, when it is on"
+
+
+async def test_stored_group_bytes_are_submitted_as_they_are(
+    tokenizer: Any, tokenizer_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    fake = FakeSwarm(tokenizer, tokenizer_files)
+    server, _ = await start_fake_server(fake, tmp_path)
+    transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path, retry=FAST)
+    groups = [group_to_pb(make_group()) for _ in range(2)]
+    reply = await transport.submit([g.SerializeToString() for g in groups])
+    assert [a.code for a in reply.acks] == [pb.Ack.ACCEPTED] * 2
+    assert list(fake.stored) == [g.id for g in groups]
     await transport.close()
     await server.stop(None)
