@@ -20,13 +20,35 @@ over the groups the step consumed (`step_client_costs`): `cost/usd` (all kinds),
 `cost/usd/<kind>`, `cost/client_cpu_s`, `cost/env_s`, and per task in the log only
 `cost/client_by_task`. The trackers get every scalar of the row (jetctl/trackers.py).
 
+Waste: spend that trained nothing. A client node tallies the rollouts whose trajectories
+never reached a group it spooled (failed, timed out, or ok in a group dropped for having
+fewer than 2 ok), per task, in its status (`waste`: `add_waste`): their `Trajectory.costs`
+summed (a failed rollout's spend counts too: jetctl/client/rollout.py keeps what its session
+reported before it failed) with `trajectories` (how many) and `rollout_s` (their wall
+seconds). A timed-out rollout's process is killed before it reports, so only its count and
+wall seconds are known. The controller keeps each node's last status in `nodes/<name>.json`;
+`client_waste` sums them per task. The server adds the groups its batch-time staleness gate
+refused (they reached it, were never trained) to its next step row as `cost/waste_by_task`
+(the same keys but `rollout_s`: a trajectory does not say over how many roles its
+rollout's wall time is split), summed into `Costs.waste`.
+
+GPU seconds: where the trainer's model is on a CUDA device, each row also carries
+`cost/train_gpu_s` (wall seconds of the step, synchronized with the device),
+`cost/publish_gpu_s` (of publishing) and `cost/generate_gpu_s` (the rest of the row's wall
+interval: generation, and the time the device sat held but idle, since a held accelerator is
+paid for by the second) (`gpu_split`). On a CPU they are absent, not 0, and `Costs`' GPU
+figures are None.
+
 The run's summary (`jetctl status` on a finished run, the end of `jetctl up`) and the live
 `jetctl status` (the step logs of the servers on this host) show one line per model, with the
-server CPU seconds and, where an env reported spend, the dollars per 0.1 of reward gained;
-`jetctl bench loop` prints `Costs.per_step()` of the swarm. Left out (planned, issue 28): GPU
-seconds; the env's time inside the agent's tool calls (only its `open` and `reward` are
-timed); the spend of rollouts that failed or groups the server refused (their trajectories
-never reach a step); a server on another host in the live view (its step log stays there).
+server CPU seconds and, where an env reported spend, the dollars per 0.1 of reward gained,
+and one line of waste per task; `jetctl bench loop` prints `Costs.per_step()` of the swarm.
+Left out (planned, issue 28): the env's time inside the agent's tool calls (only its `open`
+and `reward` are timed); groups the server refused at Submit (stale, invalid, revision: the
+node's delivery sees the ack, not yet the costs) and a group whose node task raised (its
+rollouts' results are lost); a node restarted under the same name starts its waste tally
+again (the controller keeps its last status only); a server on another host in the live view
+(its step log stays there).
 """
 
 from __future__ import annotations
@@ -41,6 +63,8 @@ REWARD_WINDOW = 10  # steps: the reward gained is the mean of the last this many
 REWARD_STEP = 0.1  # the unit of reward gained the summary prices
 USD = "usd/"  # a Trajectory.costs key of spend: usd/<kind>
 CLIENT_CPU_S, ENV_S = "client_cpu_s", "env_s"  # the other Trajectory.costs keys
+WASTED, ROLLOUT_S = "trajectories", "rollout_s"  # a waste tally's count and wall seconds
+GPU_KEYS = ("cost/train_gpu_s", "cost/generate_gpu_s", "cost/publish_gpu_s")
 
 
 def rollout_costs(timings: Mapping[str, float], usd: Mapping[str, float],
@@ -79,6 +103,59 @@ def step_client_costs(consumed: Iterable[tuple[str, Mapping[str, float]]],
     return scalars, {t: dict(sorted(c.items())) for t, c in sorted(by_task.items())}
 
 
+def add_waste(tally: dict[str, float], costs: Mapping[str, float],
+              rollout_s: float | None = None) -> None:
+    """Add one trajectory that trained nothing to a waste tally: its costs, 1 to
+    `trajectories` and (where known) its share of its rollout's wall seconds to `rollout_s`."""
+    for k, v in costs.items():
+        tally[k] = tally.get(k, 0.0) + v
+    tally[WASTED] = tally.get(WASTED, 0.0) + 1
+    if rollout_s is not None:
+        tally[ROLLOUT_S] = tally.get(ROLLOUT_S, 0.0) + rollout_s
+
+
+def client_waste(statuses: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """task -> the waste tallies (`waste`) of client node statuses, summed."""
+    out: dict[str, dict[str, float]] = {}
+    for status in statuses:
+        tally = status.get("waste") or {}
+        if not tally:
+            continue
+        acc = out.setdefault(str(status.get("task")), {})
+        for k, v in tally.items():
+            acc[k] = acc.get(k, 0.0) + float(v)
+    return {t: dict(sorted(c.items())) for t, c in sorted(out.items())}
+
+
+def read_node_waste(nodes_dir: Path) -> dict[str, dict[str, float]]:
+    """`client_waste` of the node statuses the controller kept (`nodes/<name>.json`)."""
+    statuses = []
+    for path in sorted(nodes_dir.glob("*.json")) if nodes_dir.is_dir() else []:
+        try:
+            statuses.append(json.loads(path.read_text()))
+        except ValueError:
+            continue  # written atomically; a foreign file is not a node's
+    return client_waste(s for s in statuses if isinstance(s, dict))
+
+
+def waste_line(task: str, tally: Mapping[str, float]) -> str:
+    """One summary line of a task's waste tally."""
+    usd = {k.removeprefix(USD): v for k, v in tally.items() if k.startswith(USD)}
+    spend = (f"; env spend ${sum(usd.values()):.4f} ("
+             + ", ".join(f"{k} ${v:.4f}" for k, v in sorted(usd.items())) + ")") if usd else ""
+    return (f"waste {task}: {int(tally.get(WASTED, 0))} trajectories failed, timed out or "
+            f"dropped on the nodes: client CPU {tally.get(CLIENT_CPU_S, 0.0):.1f} s, env "
+            f"{tally.get(ENV_S, 0.0):.1f} s, rollouts {tally.get(ROLLOUT_S, 0.0):.1f} s wall"
+            + spend)
+
+
+def gpu_split(interval_s: float, train_s: float, publish_s: float) -> dict[str, float]:
+    """A step row's GPU seconds (the server's model on a CUDA device): the step's and the
+    publish's synchronized wall seconds, and the rest of the row's wall interval as generate."""
+    return {"cost/train_gpu_s": train_s, "cost/publish_gpu_s": publish_s,
+            "cost/generate_gpu_s": max(0.0, interval_s - train_s - publish_s)}
+
+
 @dataclass(frozen=True)
 class TaskCost:
     generated_tokens: int
@@ -104,6 +181,10 @@ class Costs:
     usd_by_kind: dict[str, float] = field(default_factory=dict)
     client_cpu_s: float = 0.0
     env_s: float = 0.0
+    waste: dict[str, float] = field(default_factory=dict)  # stale at batch (add_waste keys)
+    train_gpu_s: float | None = None  # None: no row on a GPU
+    generate_gpu_s: float | None = None
+    publish_gpu_s: float | None = None
 
     @property
     def cpu_s_per_reward_step(self) -> float | None:
@@ -147,6 +228,8 @@ class Costs:
             "client_cpu_s": self.client_cpu_s, "env_s": self.env_s,
             "usd_per_0.1_reward": self.usd_per_reward_step,
             "tasks": {t: vars(c) for t, c in self.tasks.items()},
+            "waste": self.waste, "train_gpu_s": self.train_gpu_s,
+            "generate_gpu_s": self.generate_gpu_s, "publish_gpu_s": self.publish_gpu_s,
         }
 
 
@@ -182,6 +265,13 @@ def read_costs(steps_log: Path) -> Costs | None:
         for k, v in costs.items():
             if k.startswith(USD):
                 kinds[k.removeprefix(USD)] = kinds.get(k.removeprefix(USD), 0.0) + v
+    waste: dict[str, float] = {}
+    for r in rows:
+        for costs in r.get("cost/waste_by_task", {}).values():
+            for k, v in costs.items():
+                waste[k] = waste.get(k, 0.0) + v
+    gpu = {k: sum(r[k] for r in rows if k in r) if any(k in r for r in rows) else None
+           for k in GPU_KEYS}
     rewards = [float(r["reward/mean"]) for r in rows]
     window = min(REWARD_WINDOW, len(rewards) // 2)
     gain = (sum(rewards[-window:]) - sum(rewards[:window])) / window if window else None
@@ -201,6 +291,9 @@ def read_costs(steps_log: Path) -> Costs | None:
         usd_by_kind=dict(sorted(kinds.items())),
         client_cpu_s=sum(c.get(CLIENT_CPU_S, 0.0) for c in client.values()),
         env_s=sum(c.get(ENV_S, 0.0) for c in client.values()),
+        waste=dict(sorted(waste.items())),
+        train_gpu_s=gpu["cost/train_gpu_s"], generate_gpu_s=gpu["cost/generate_gpu_s"],
+        publish_gpu_s=gpu["cost/publish_gpu_s"],
     )
 
 
@@ -220,12 +313,19 @@ def cost_line(model: str, costs: dict[str, Any]) -> str:
     tasks = ", ".join(f"{t} {c['cpu_s']:.1f} s" + (f" ${c['usd']:.4f}" if spend else "")
                       for t, c in costs["tasks"].items())
     kinds = ", ".join(f"{k} ${v:.4f}" for k, v in costs["usd_by_kind"].items())
+    waste = costs.get("waste") or {}  # a ledger written before waste had none
+    waste_usd = sum(v for k, v in waste.items() if k.startswith(USD))
     return (
         f"cost {model}: server CPU {costs['server_cpu_s']:.1f} s (train "
         f"{costs['train_cpu_s']:.1f}, generate {costs['generate_cpu_s']:.1f}, publish "
-        f"{costs['publish_cpu_s']:.1f}) over {costs['steps']} steps; client CPU "
-        f"{costs['client_cpu_s']:.1f} s, env {costs['env_s']:.1f} s; "
+        f"{costs['publish_cpu_s']:.1f}) over {costs['steps']} steps; "
+        + (f"GPU {costs['train_gpu_s']:.1f} s train, {costs['generate_gpu_s']:.1f} generate, "
+           f"{costs['publish_gpu_s']:.1f} publish; " if costs.get("train_gpu_s") is not None
+           else "")
+        + f"client CPU {costs['client_cpu_s']:.1f} s, env {costs['env_s']:.1f} s; "
         + (f"env spend ${costs['usd']:.4f} ({kinds}); " if spend else "")
+        + (f"refused stale at batch: {int(waste.get(WASTED, 0))} trajectories, client CPU "
+           f"{waste.get(CLIENT_CPU_S, 0.0):.1f} s, env spend ${waste_usd:.4f}; " if waste else "")
         + f"tokens generated {costs['tokens_generated']}, trained {costs['tokens_trained']}; "
         f"per task: {tasks}; "
         + (f"{per:.1f} CPU s per 0.1 of reward gained" if per is not None

@@ -75,7 +75,7 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     """The document of a run whose controller has exited, from the files it left: per model
     the steps trained, the final reward and the last checkpoint; the ledger; the curve.
     `jetctl status` shows it for a finished run and `jetctl up` ends with it."""
-    from jetctl.costs import read_costs
+    from jetctl.costs import read_costs, read_node_waste
     from jetctl.ledger import build_ledger
     from jetctl.plot import read_run_rewards
 
@@ -132,6 +132,8 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
         ),
         "ledger": build_ledger(run_dir).summary(),
         "evals": _evals(run_dir),  # per task, its newest eval's figures
+        # per task: what its nodes' dropped trajectories cost (jetctl.costs, their last syncs)
+        "waste": read_node_waste(paths.nodes),
     }
 
 
@@ -189,10 +191,11 @@ def render_summary(summary: dict[str, Any]) -> RenderableType:
         t.add_row(model, str(m["steps"]), _fmt(m["final_reward"], 3),
                   m["last_checkpoint"] or f"none in {m['checkpoint_dir']}")
     parts: list[RenderableType] = [head, Text(""), t, Text(""), ledger_line(summary["ledger"])]
-    from jetctl.costs import cost_line
+    from jetctl.costs import cost_line, waste_line
 
     parts += [Text(cost_line(model, m["costs"])) for model, m in summary["models"].items()
               if m.get("costs")]
+    parts += [Text(waste_line(task, w)) for task, w in (summary.get("waste") or {}).items()]
     parts += eval_lines(summary.get("evals") or {})
     curve = summary.get("reward_curve")
     parts.append(Text(f"reward curve: {curve} (and {summary['reward_curve_csv']})" if curve
@@ -298,6 +301,8 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
         "acks": f.get("acks") or {},
         "dropped": f.get("dropped") or {},
         "tokens_generated": {k: int(v) for k, v in (f.get("tokens_generated") or {}).items()},
+        # what its dropped trajectories cost (jetctl.costs.add_waste)
+        "waste": {k: float(v) for k, v in (f.get("waste") or {}).items()},
         "updated_at": f.get("updated_at"),
         "address": f.get("address"),  # where it runs, as the controller sees it
     }
@@ -305,7 +310,7 @@ def client_entry(node: cpb.NodeStatus) -> dict[str, Any]:
 
 def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
     """The `jetctl status --once --json` document."""
-    doc = {
+    doc: dict[str, Any] = {
         "run": reply.run,
         "run_dir": reply.run_dir,
         "state": reply.state,
@@ -325,6 +330,11 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
         costs = live_costs(Path(reply.run_dir), models)
         if costs:
             doc["costs"] = costs
+    from jetctl.costs import client_waste
+
+    waste = client_waste(doc["clients"])  # per task, its nodes' dropped trajectories' costs
+    if waste:
+        doc["waste"] = waste
     return doc
 
 
@@ -614,9 +624,10 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
     ]
     parts += eval_lines(task_evals(doc))
     parts += signal_lines(doc)
-    from jetctl.costs import cost_line
+    from jetctl.costs import cost_line, waste_line
 
     parts += [Text(cost_line(model, c)) for model, c in (doc.get("costs") or {}).items()]
+    parts += [Text(waste_line(task, w)) for task, w in (doc.get("waste") or {}).items()]
     if doc.get("ledger"):
         parts += [Text(""), ledger_line(doc["ledger"])]
     return Group(*parts)

@@ -53,12 +53,23 @@ def test_a_runs_steps_add_up_to_its_costs_and_the_summary_shows_them(tmp_path: P
                                         "servers": {"policy": {}}})
     (rd / "metrics").mkdir()
     shutil.copy(trainer.steps_log, rd / "metrics" / "policy.steps.jsonl")
+    # the last syncs of the task's two nodes, as the controller keeps them: one wasted spend
+    for name, waste in (("digits-0", {"trajectories": 3.0, "usd/judge": 0.75,
+                                      "client_cpu_s": 2.0, "env_s": 0.5, "rollout_s": 9.0}),
+                        ("digits-1", {"trajectories": 1.0, "rollout_s": 30.0})):
+        write_json_atomic(rd / "nodes" / f"{name}.json", {"task": "digits", "waste": waste})
     summary = finished_summary(rd)
     assert summary["models"]["policy"]["costs"]["tokens_generated"] == 27
+    assert summary["waste"] == {"digits": {"client_cpu_s": 2.0, "env_s": 0.5,
+                                           "rollout_s": 39.0, "trajectories": 4.0,
+                                           "usd/judge": 0.75}}
     console = Console(width=400, record=True)
     console.print(render_summary(summary))
     text = console.export_text()
     assert "cost policy: server CPU" in text and "tokens generated 27, trained 18" in text
+    assert ("waste digits: 4 trajectories failed, timed out or dropped on the nodes: client "
+            "CPU 2.0 s, env 0.5 s, rollouts 39.0 s wall; env spend $0.7500 (judge $0.7500)"
+            in text)
 
 
 def test_bench_loop_prints_the_swarms_cost_per_step_beside_its_ratios(tmp_path: Path) -> None:
@@ -162,3 +173,65 @@ def test_admission_refuses_cost_figures_that_would_corrupt_the_ledger(
             assert v.outcome == "accepted", v.reason
         else:
             assert v.outcome == "invalid" and "costs" in v.reason, v.reason
+
+
+def test_a_group_refused_stale_at_batch_time_is_the_next_rows_waste(tmp_path: Path) -> None:
+    """A group that went stale in the buffer reached the server and bought nothing: its
+    trajectories' costs are the next step row's `cost/waste_by_task`, summed in the ledger
+    apart from the spend that trained. On a CPU the rows carry no GPU seconds (absent, not 0)."""
+    from jetctl.costs import cost_line
+    from jetctl.proto.convert import group_to_pb
+    from tests.factories import make_group
+    from tests.server.trainer_support import PROMPT
+
+    trainer = make_trainer(tmp_path, config(max_staleness=1))
+    late = make_group(rewards=(0.0, 1.0), version=0, prompt=PROMPT, completion=(21, 22, 23))
+    for t in late.trajectories:
+        t.costs = {"usd/judge": 0.25, "client_cpu_s": 1.5, "env_s": 0.5}
+    assert trainer.store.put(late, group_to_pb(late).SerializeToString()).result(5).outcome \
+        == "accepted"
+    (held,) = trainer.store.take(1, timeout_s=0.1)  # waits while two steps happen
+    for _ in range(2):
+        submit(trainer)
+        assert step(trainer) is not None
+    trainer.store.give_back([held])
+    assert step(trainer) is None  # refused stale at batch time: no step on it
+    submit(trainer)
+    assert step(trainer) is not None
+    rows = [json.loads(line) for line in trainer.steps_log.read_text().splitlines()]
+    assert ["cost/waste_by_task" in r for r in rows] == [False, False, True]
+    assert rows[2]["cost/waste_by_task"] == {
+        "digits": {"client_cpu_s": 3.0, "env_s": 1.0, "trajectories": 2.0, "usd/judge": 0.5}}
+    assert rows[2]["cost/usd"] == 0.0, "the trained group reported no spend: waste stays apart"
+    assert not any(k.endswith("_gpu_s") for r in rows for k in r), "a CPU has no GPU seconds"
+
+    costs = read_costs(trainer.steps_log)
+    assert costs is not None and costs.usd == 0.0
+    assert costs.waste == {"client_cpu_s": 3.0, "env_s": 1.0, "trajectories": 2.0,
+                           "usd/judge": 0.5}
+    assert (costs.train_gpu_s, costs.generate_gpu_s, costs.publish_gpu_s) == (None, None, None)
+    line = cost_line("policy", costs.to_json())
+    assert "refused stale at batch: 2 trajectories, client CPU 3.0 s, env spend $0.5000" in line
+    assert "GPU" not in line
+
+
+def test_a_rows_gpu_seconds_split_its_wall_interval(tmp_path: Path) -> None:
+    """`gpu_split` (a row of a trainer on CUDA; not measured here, no GPU on this host): the
+    synchronized step and publish wall seconds, the rest of the row's interval as generate
+    (generation and the held device's idle time), never below 0."""
+    from jetctl.costs import cost_line, gpu_split
+
+    assert gpu_split(10.0, 3.0, 0.5) == {"cost/train_gpu_s": 3.0, "cost/publish_gpu_s": 0.5,
+                                         "cost/generate_gpu_s": 6.5}
+    assert gpu_split(1.0, 1.25, 0.0)["cost/generate_gpu_s"] == 0.0  # clocks read apart
+    # the ledger of two such rows (written by hand: this host has no GPU to write them)
+    base = {"cost/server_cpu_s": 2.0, "cost/train_cpu_s": 1.0, "cost/generate_cpu_s": 0.5,
+            "cost/publish_cpu_s": 0.5, "cost/tokens_by_task": {"digits": [9, 9]},
+            "reward/mean": 0.5}
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps({**base, **gpu_split(10.0, 3.0, 0.5)}) + "\n"
+                           for _ in range(2)))
+    costs = read_costs(log)
+    assert costs is not None
+    assert (costs.train_gpu_s, costs.generate_gpu_s, costs.publish_gpu_s) == (6.0, 13.0, 1.0)
+    assert "GPU 6.0 s train, 13.0 generate, 1.0 publish" in cost_line("p", costs.to_json())

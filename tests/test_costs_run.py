@@ -5,12 +5,15 @@ with each trajectory to the server and summed into the step rows, and the finish
 
 Each rollout of `PaidDigitsEnv` reports PRICE dollars of kind "judge" when its session
 closes, so a step row's `cost/usd` is PRICE times the trajectories the step consumed
-(trained on or skipped without signal), to rounding.
+(trained on or skipped without signal), to rounding. The first rollout of the run (across
+its processes: a marker file) fails in `reward()` after its session spent: its spend is the
+task's waste, apart from the spend that trained.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +42,7 @@ models:
 tasks:
   digits:
     env: tests.test_costs_run:make_env
+    env_args: {marker: MARKER}
     agent: agents.digits:agent
     model: policy
     clients: 1
@@ -49,6 +53,15 @@ tasks:
 
 @dataclass
 class PaidDigitsSession(DigitsSession, Spending):
+    marker: str = ""  # the first rollout to create this file fails in reward()
+
+    def reward(self) -> float:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return super().reward()
+        raise RuntimeError("the judge failed (deliberately, once per run)")
+
     def close(self) -> None:  # a judge paid once per rollout, reported as it closes
         self.cost(usd=PRICE, kind="judge")
         super().close()
@@ -56,12 +69,14 @@ class PaidDigitsSession(DigitsSession, Spending):
 
 @dataclass
 class PaidDigitsEnv(DigitsEnv):
+    marker: str = ""
+
     def open(self, task: Task) -> PaidDigitsSession:
-        return PaidDigitsSession(task)
+        return PaidDigitsSession(task, marker=self.marker)
 
 
-def make_env() -> PaidDigitsEnv:
-    return PaidDigitsEnv()
+def make_env(marker: str = "") -> PaidDigitsEnv:
+    return PaidDigitsEnv(marker=marker)
 
 
 def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -83,7 +98,7 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     tmp_path: Path,
 ) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(RECIPE.replace("MARKER", str(tmp_path / "failed-once")))
     run_dir = tmp_path / "run"
     jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
     live: dict[str, Any] = {}
@@ -113,9 +128,21 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     assert now["steps"] >= STEPS and now["usd_by_kind"]["judge"] == pytest.approx(now["usd"])
     assert now["usd"] >= PRICE * 4 * STEPS * (1 - 1e-9)  # >= one group of 4 a step
     assert "cost policy: server CPU" in text_live and "env spend $" in text_live, text_live
+    assert live["waste"]["digits"]["trajectories"] >= 1, "the failed rollout, as its node synced"
+    assert "waste digits: " in text_live, text_live
 
     status = jetctl("status", "--once", "--json", "--run-dir", str(run_dir))
-    costs = json.loads(status.stdout)["models"]["policy"]["costs"]
+    summary = json.loads(status.stdout)
+    costs = summary["models"]["policy"]["costs"]
+    # waste: every trajectory the node dropped (the deliberate failure, and any other failed
+    # or timed-out rollout, or ok one in a dropped group), each of which spent PRICE but a
+    # timed-out one (killed before it reports)
+    nodes = [json.loads(p.read_text()) for p in RunPaths(run_dir).nodes.glob("*.json")]
+    dropped = {r: sum(n["dropped"].get(r, 0) for n in nodes) for r in ("failed", "timeout")}
+    waste = summary["waste"]["digits"]
+    assert waste["trajectories"] == dropped["failed"] + dropped["timeout"] >= 1
+    assert waste["usd/judge"] == pytest.approx(PRICE * dropped["failed"], rel=1e-9)
+    assert waste["client_cpu_s"] > 0 and waste["rollout_s"] > 0
     total = sum(r["cost/usd"] for r in rows)
     assert costs["usd"] == pytest.approx(total, rel=1e-9)
     assert costs["usd_by_kind"] == {"judge": pytest.approx(total, rel=1e-9)}
@@ -123,3 +150,5 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     assert costs["client_cpu_s"] == pytest.approx(sum(r["cost/client_cpu_s"] for r in rows))
     text = jetctl("status", "--once", "--run-dir", str(run_dir)).stdout
     assert f"env spend ${total:.4f} (judge ${total:.4f})" in text, text
+    assert (f"waste digits: {int(waste['trajectories'])} trajectories failed, timed out or "
+            f"dropped on the nodes" in text), text

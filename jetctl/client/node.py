@@ -425,6 +425,8 @@ class ClientNode:
             "dropped": dict(self.stats.dropped),
             # tokens generated for this node's calls, by model (a team's calls reach several)
             "tokens_generated": dict(self.proxy.tokens_generated) if self.proxy else {},
+            # what its dropped trajectories cost (jetctl/costs.py: failed, timed out, dropped)
+            "waste": dict(self.producer.waste) if isinstance(self.producer, Producer) else {},
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "address": self.link.address if self.link is not None else None,

@@ -16,6 +16,10 @@ table with their error; a group with fewer than 2 ok trajectories is dropped who
 a comparison). Rollouts never wait for training; they wait only while the spool holds more
 than `spool_max_bytes` (back-pressure; nothing un-acked is ever deleted).
 
+The costs of the trajectories dropped here (failed, timed out, or ok in a dropped group) are
+tallied in `Producer.waste` (jetctl/costs.py `add_waste`), which the node's status reports:
+spend that trained nothing.
+
 Every finished group's outcome is read. A group whose task raised (e.g. its rollout process
 could not start because the node's forkserver died under a SIGTERM) is logged with its
 traceback, counted (`jetctl_client_group_errors_total`), and its trajectories still in
@@ -55,7 +59,7 @@ from jetctl.client.proxy import Proxy
 from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
 from jetctl.client.rows import Picked, TaskSource, task_source
 from jetctl.client.spool import Spool, SpooledGroup
-from jetctl.costs import rollout_costs
+from jetctl.costs import add_waste, rollout_costs
 from jetctl.deterministic import RolloutSeeds
 from jetctl.env import Task
 from jetctl.link import ControlLink
@@ -140,6 +144,9 @@ class Producer:
         self._roles = config.task.role_models  # role -> model
         self._team = bool(config.task.roles)
         self._link = link
+        # the costs of this node's trajectories that never reached a spooled group (failed,
+        # timed out, or ok in a dropped group): its status's `waste` (jetctl/costs.py)
+        self.waste: dict[str, float] = {}
 
     def _tasks(self) -> TaskSource:
         """The env's tasks: rows leased from the controller for a dataset env on a node
@@ -284,6 +291,7 @@ class Producer:
         for t in trajectories:
             if t.status != "ok":
                 self._record_drop(t.id, t.status, t.error, part.model)
+                self._waste(t)
         ok = [t for t in trajectories if t.status == "ok"]
         if len(ok) >= 2:
             return TrajectoryGroup(
@@ -297,6 +305,7 @@ class Producer:
         )
         for t in ok:
             self._record_drop(t.id, "failed", reason, part.model)
+            self._waste(t)
         self.stats.groups_dropped += 1
         log.warning("%s", reason)
         return None
@@ -351,6 +360,11 @@ class Producer:
             metadata=metadata,
             costs=rollout_costs(result.timings, result.usd, roles=len(self._roles)),
         )
+
+    def _waste(self, t: Trajectory) -> None:
+        """A trajectory that trains nothing: its costs (its share of its rollout's) go to the
+        node's waste tally, with its share of the rollout's wall seconds."""
+        add_waste(self.waste, t.costs, t.timings.get("rollout_s", 0.0) / len(self._roles))
 
     def _seeds(self, group: int, trajectory: int) -> RolloutSeeds | None:
         """The seeds of a rollout's calls in a deterministic run (None: unseeded)."""

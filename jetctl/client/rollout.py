@@ -22,8 +22,10 @@ every rollout that failed on the same forkserver. Only when every try fails does
 `RolloutPoolError` (its group is dropped as failed, and the next start tries again).
 
 The child sends one `RolloutResult` back over a pipe: reward, status (ok | failed), error
-text with traceback, timings. The parent turns a timeout into status `timeout` and a child
-that died without a result into `failed`.
+text with traceback, timings, and the spend its session reported (`jetctl.env.Spending`),
+a failed one's too. The parent turns a timeout into status `timeout` and a child that died
+without a result into `failed`: their spend and CPU seconds are unknown (the process is
+killed before it reports), only their wall seconds (`rollout_s`).
 
 This module stays light (stdlib, jetctl.env, jetctl.proctree): it is imported by every rollout
 process.
@@ -133,6 +135,7 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
     os.environ.setdefault("OPENAI_API_KEY", "jetctl")
     timings: dict[str, float] = {}
     t0 = time.monotonic()
+    session: Any = None  # the env session, once opened (its spend counts even on a failure)
     try:
         make_env = load_object(spec.env)
         agent = load_object(spec.agent)
@@ -157,8 +160,9 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         if len(text) > MAX_ERROR_CHARS:
             text = text[: MAX_ERROR_CHARS // 2] + "\n...\n" + text[-MAX_ERROR_CHARS // 2 :]
-        result = RolloutResult(
-            status="failed", error=text, error_type=type(e).__name__, timings=timings
+        result = RolloutResult(  # what the session spent before it failed is spent all the same
+            status="failed", error=text, error_type=type(e).__name__, timings=timings,
+            usd=spent(session),
         )
     cpu = os.times()  # a forked child's counters start at 0; with the children it waited for
     result.timings["cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system

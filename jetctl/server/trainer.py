@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from jetctl import tracing
-from jetctl.costs import step_client_costs
+from jetctl.costs import add_waste, gpu_split, step_client_costs
 from jetctl.faults import Faults
 from jetctl.proto.convert import weight_frames
 from jetctl.recipe import ModelConfig
@@ -118,6 +118,8 @@ class Trainer:
         )
         self._quota: dict[str, int] | None = None  # the batch being gathered's slots per task
         self._cpu_mark = time.process_time()  # the server's CPU seconds at the last step row
+        self._wall_mark = time.monotonic()  # ... and the wall clock (GPU seconds, on CUDA)
+        self._stale_waste: dict[str, dict[str, float]] = {}  # task -> refused at batch time
         self._held_up: set[str] = set()  # tasks this batch waited for, the others full
 
     # --- lifecycle -------------------------------------------------------------------
@@ -204,6 +206,10 @@ class Trainer:
                 f"stale: lag > max_staleness {tc.max_staleness} at batch time",
             )
             self.figures.stale_at_batch += sum(len(s.group.trajectories) for s in stale)
+            for s in stale:  # their costs bought nothing: the next row's waste (jetctl/costs.py)
+                tally = self._stale_waste.setdefault(s.group.task, {})
+                for t in s.group.trajectories:
+                    add_waste(tally, t.costs)
         if flat:  # consumed at this version without a step (the ledger's `trained`)
             self.store.mark_trained([s.group.id for s in flat], self.version)
             # what the next step's row needs of them, not the groups (a run whose groups all
@@ -309,6 +315,7 @@ class Trainer:
                 self.optimizer.step()
                 self.version += 1
             self.optimizer.zero_grad(set_to_none=True)
+        _synchronize(self.device)  # on CUDA, the step's kernels are done: its GPU seconds
         t_train = time.monotonic() - t0
         train_cpu_s = time.thread_time() - cpu0
         ids = [s.group.id for s in batch]
@@ -318,6 +325,7 @@ class Trainer:
         cpu1 = time.thread_time()
         if self.publish is not None and self.version != version_before:
             publish_s = self.publish(self.version)
+            _synchronize(self.device)
         publish_cpu_s = time.thread_time() - cpu1
 
         n_traj = sum(len(s.group.trajectories) for s in batch)
@@ -370,6 +378,9 @@ class Trainer:
             "tokens/generated": float(sum(g for g, _ in by_task.values())),
             "tokens/trained": float(sum(t for _, t in by_task.values())),
         })
+        interval_s, self._wall_mark = time.monotonic() - self._wall_mark, time.monotonic()
+        if self.device.type == "cuda":  # absent on a CPU, not 0: there is no GPU to price
+            scalars.update(gpu_split(interval_s, t_train, publish_s))
         client_scalars, client_by_task = step_client_costs(  # usd, client CPU, env wall
             [(s.group.task, t.costs) for s in batch for t in s.group.trajectories]
             + [(k.task, c) for k in skipped for c in k.costs])
@@ -381,7 +392,8 @@ class Trainer:
             scalars.update(self.extra_scalars())
         if self.trackers is not None:
             scalars["trackers/failures"] = float(self.trackers.failures)
-        self._log(scalars, ids, by_task, client_by_task)
+        waste, self._stale_waste = self._stale_waste, {}
+        self._log(scalars, ids, by_task, client_by_task, waste)
         if self.trackers is not None:
             self.trackers.log(scalars, [s.group for s in batch], self.algorithm.advantages)
         if self.on_step:
@@ -441,7 +453,8 @@ class Trainer:
 
     def _log(self, scalars: dict[str, float], group_ids: list[str],
              by_task: dict[str, tuple[int, int]],
-             client_by_task: dict[str, dict[str, float]]) -> None:
+             client_by_task: dict[str, dict[str, float]],
+             waste_by_task: dict[str, dict[str, float]]) -> None:
         # what `jetctl replay` needs (jetctl/replay.py): the batch's groups in training order,
         # the torch threads (CPU sums depend on them) and, with LoRA, a digest of the adapter
         # after the step (a few MB at most; full fine-tuning's weights are too big to hash
@@ -451,6 +464,9 @@ class Trainer:
         # per task: [generated, trained] completion tokens (jetctl/costs.py)
         row["cost/tokens_by_task"] = {t: list(v) for t, v in sorted(by_task.items())}
         row["cost/client_by_task"] = client_by_task  # task -> summed Trajectory.costs
+        if waste_by_task:  # task -> costs of the groups refused stale since the last row
+            row["cost/waste_by_task"] = {t: dict(sorted(c.items()))
+                                         for t, c in sorted(waste_by_task.items())}
         if W.is_lora(self.model):
             row["replay/weights_sha256"] = W.digest(self.model)
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
@@ -497,6 +513,12 @@ def _tokens_by_task(
         g, t = out.get(k.task, (0, 0))
         out[k.task] = (g + k.completion_tokens, t)
     return out
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA); a CPU runs them as they are called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _no_signal(s: StoredGroup) -> bool:
