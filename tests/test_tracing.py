@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from jetctl.recipe import RecipeError, parse_recipe
+from tests.runs import ROOT, detached_run
 
 if os.environ.get("CI") != "true":  # under CI the tracing extra is installed: fail, not skip
     pytest.importorskip("opentelemetry.proto", reason="pip install 'jetctl[tracing]'")
@@ -31,8 +32,6 @@ from opentelemetry.proto.collector.trace.v1 import (
     trace_service_pb2,
     trace_service_pb2_grpc,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = """
 run:
@@ -121,11 +120,6 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
     server.stop(grace=None)
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180, check=check)
-
-
 def joined_rollout(spans: list[Span]) -> tuple[Span, dict[str, list[Span]]] | None:
     """The step span and, by name, the spans of a rollout it links to whose whole story has
     arrived (None while none has)."""
@@ -152,10 +146,7 @@ def test_one_rollout_is_one_trace_across_processes_linked_from_its_step(
 ) -> None:
     found, port = receiver
     recipe = write_recipe(tmp_path, port)
-    rd = tmp_path / "run"
-    try:
-        up = jetctl("up", str(recipe), "--detach", "--run-dir", str(rd), check=False)
-        assert up.returncode == 0, up.stdout + up.stderr
+    with detached_run(recipe, tmp_path / "run"):
         deadline = time.monotonic() + 300
         while (joined := joined_rollout(found.snapshot())) is None:
             assert time.monotonic() < deadline, (
@@ -163,8 +154,6 @@ def test_one_rollout_is_one_trace_across_processes_linked_from_its_step(
                 f"{sorted({(s.service, s.name) for s in found.snapshot()})}"
             )
             time.sleep(1)
-    finally:
-        jetctl("down", "--run-dir", str(rd), check=False)
     step, named = joined
     (rollout,) = named["jetctl.rollout"]
     assert (rollout.trace_id, rollout.span_id) in step.links

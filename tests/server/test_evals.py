@@ -21,7 +21,6 @@ line, its value and the fix.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -31,10 +30,9 @@ from typing import Any
 import pytest
 
 from jetctl.recipe import EvalConfig, RecipeError, parse_recipe
-from jetctl.rundir import RunPaths
 from jetctl.server.evals import FIGURES, InRunEval, eval_argv
+from tests.runs import ROOT, detached_run, jetctl, step_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 TEST_SCORES = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]  # the eval reads the first 3 (max_rows)
 EVAL_ROWS = 3
 
@@ -69,19 +67,6 @@ def score(completion: str, row: dict[str, Any]) -> float:
     return float(len(completion) % 3) / 2
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=check)
-
-
-def step_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunPaths(run_dir).steps_log("policy")
-    if not path.is_file():
-        return []
-    lines = path.read_text().split("\n")[:-1]  # after the last newline: a row half written
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures(tmp_path: Path) -> None:
@@ -92,12 +77,10 @@ def test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures(tmp_path: Pat
                             for i, s in enumerate(TEST_SCORES)))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(recipe=recipe, train=train, test=test, rows=EVAL_ROWS))
-    run_dir = tmp_path / "run"
-    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
     results: dict[str, Any] = {}
     logged: list[dict[str, Any]] = []
     live: dict[str, Any] = {}
-    try:
+    with detached_run(recipe, tmp_path / "run") as run_dir:
         deadline = time.monotonic() + 420
         while time.monotonic() < deadline and not (results and logged and live):
             time.sleep(3)
@@ -110,8 +93,6 @@ def test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures(tmp_path: Pat
                              check=False)
                 if out.returncode == 0:
                     live = json.loads(out.stdout)["tasks"].get("rows", {}).get("eval") or {}
-    finally:
-        jetctl("down", "--run-dir", str(run_dir), check=False)
     assert results, "no eval results under RUN_DIR/eval/ within 420 s"
     step = results["step"]
     assert step > 0 and step % 2 == 0 and results["file"] == f"step-{step}.test.json"
