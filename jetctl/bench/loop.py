@@ -552,9 +552,10 @@ def render(results: list[RunFigures]) -> Any:
     table.add_column("figure")
     for lat, alg, variant in conditions:
         name = f"{lat:g}s {alg}" if several else f"{lat:g}s"
+        for m in modes:  # the loop runs no variant: its columns repeat beside each
+            table.add_column(f"{m} {name}{' ' + variant if variant and m == 'swarm' else ''}",
+                             justify="right")
         name += f" {variant}" if variant else ""
-        for m in modes:
-            table.add_column(f"{m} {name}", justify="right")
         if len(modes) == 2:
             table.add_column(f"ratio {name}", justify="right")
 
