@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +24,8 @@ import pytest
 from envs.digits.env import DigitsEnv, DigitsSession
 from jetctl.env import Spending, Task
 from jetctl.rundir import RunPaths
+from tests.runs import detached_run, jetctl, step_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 PRICE = 0.0025  # dollars per rollout, exact in binary to a few ulps over a few hundred sums
 STEPS = 3
 
@@ -79,19 +77,6 @@ def make_env(marker: str = "") -> PaidDigitsEnv:
     return PaidDigitsEnv(marker=marker)
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=check)
-
-
-def step_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunPaths(run_dir).steps_log("policy")
-    if not path.is_file():
-        return []
-    lines = path.read_text().split("\n")[:-1]  # after the last newline: a row half written
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(400)
 def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
@@ -99,10 +84,8 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
 ) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.replace("MARKER", str(tmp_path / "failed-once")))
-    run_dir = tmp_path / "run"
-    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
     live: dict[str, Any] = {}
-    try:
+    with detached_run(recipe, tmp_path / "run") as run_dir:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and len(step_rows(run_dir)) < STEPS:
             time.sleep(2)
@@ -110,8 +93,6 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
         if out.returncode == 0:
             live = json.loads(out.stdout)
         text_live = jetctl("status", "--once", "--run-dir", str(run_dir), check=False).stdout
-    finally:
-        jetctl("down", "--run-dir", str(run_dir), check=False)
     rows = step_rows(run_dir)
     assert len(rows) >= STEPS, f"{len(rows)} step rows within 240 s"
     for row in rows:
