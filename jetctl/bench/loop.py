@@ -453,9 +453,8 @@ def run(
     for latency in latencies:
         for algorithm in choices:
             for seed in seeds:
-                plan = [(m, "") for m in modes]
-                if "swarm" in modes:
-                    plan += [("swarm", v) for v in variants or []]
+                plan = [(m, "") for m in modes]  # the variants run whatever the modes
+                plan += [("swarm", v) for v in variants or []]
                 for mode, variant in plan:
                     tag = f"-{algorithm}" if algorithm else ""
                     if variant:
@@ -530,6 +529,11 @@ COST_ROWS = (
     ("tokens generated per step", "tokens_generated_per_step", "{:.0f}"),
     ("env spend $ per step", "usd_per_step", "{:.4f}"),
     ("server CPU s per 0.1 reward", "cpu_s_per_0.1_reward", "{:.1f}"),
+    ("refused stale at batch, trajectories per step", "waste_trajectories_per_step", "{:.2f}"),
+    ("  their env spend $ per step", "waste_usd_per_step", "{:.4f}"),
+    ("train GPU s per step", "train_gpu_s_per_step", "{:.2f}"),  # on a GPU only
+    ("generate GPU s per step", "generate_gpu_s_per_step", "{:.2f}"),
+    ("publish GPU s per step", "publish_gpu_s_per_step", "{:.3f}"),
 )
 
 
@@ -585,7 +589,8 @@ def render(results: list[RunFigures]) -> Any:
     roles = sorted({k for r in results for k in r.cpu_s if k not in ("all", "loop")})
     rows += [(f"  CPU s, {role}", _cpu(role), "{:.0f}") for role in roles]
     if any(r.costs for r in results):  # the swarm's cost ledger (the loop keeps none)
-        rows += [(label, _cost(key), fmt) for label, key, fmt in COST_ROWS]
+        rows += [(label, _cost(key), fmt) for label, key, fmt in COST_ROWS
+                 if any(key in r.costs for r in results)]  # GPU seconds: on a GPU only
     for label, get, fmt in rows:
         cells: list[str] = []
         for cond in conditions:

@@ -42,7 +42,8 @@ def register(bench: typer.Typer) -> None:
         swarm_train: Annotated[list[str] | None, typer.Option(
             help="One more swarm run per latency and seed with these train settings, "
             "space-separated key=value, e.g. 'tis_cap=2.0' or 'order=newest max_staleness=2' "
-            "(repeat for several; the recipe's own runs too, the loop once).",
+            "(repeat for several; the loop runs once, and the recipe's own swarm where "
+            "--modes names the swarm: --modes loop --swarm-train X runs the loop and X only).",
         )] = None,
     ) -> None:
         """The swarm (jetctl up) vs a plain loop in one process: same model, env, agent,
@@ -80,8 +81,6 @@ def register(bench: typer.Typer) -> None:
                 bl.check_variant(recipe, task, v)
             except ValueError as e:
                 fail(f"--swarm-train {v!r}: {e}")
-        if variant_list and "swarm" not in mode_list:
-            fail("--swarm-train needs the swarm in --modes")
         if seconds < 10:
             fail(f"--seconds ({seconds:g}) must be at least 10")
         console = Console()
