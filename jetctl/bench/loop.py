@@ -489,17 +489,20 @@ def median_or_none(xs: list[float | None]) -> float | None:
     return statistics.median(vals)
 
 
-def _seed_ratio(loop_s: list[float | None], swarm_s: list[float | None]) -> str:
-    """One seed's swarm/loop time to a reward: '-' where neither got there, 'inf' where only
-    the loop did, '0' where only the swarm did."""
+def _seed_ratio(loop_s: list[float | None], swarm_s: list[float | None],
+                loop_wall: list[float] | None = None,
+                swarm_wall: list[float] | None = None) -> str:
+    """One seed's swarm/loop time to a reward: '-' where neither got there; where one side
+    did not within its run, a bound from that run's length: '<0.40' (only the swarm got
+    there, at 0.40x the loop's whole run) or '>1.50' (only the loop did)."""
     a = loop_s[0] if loop_s else None
     b = swarm_s[0] if swarm_s else None
     if a is None and b is None:
         return "-"
     if b is None:
-        return "inf"
+        return f">{swarm_wall[0] / a:.2f}" if swarm_wall else "inf"
     if a is None:
-        return "0"
+        return f"<{b / loop_wall[0]:.2f}" if loop_wall else "0"
     return f"{b / a:.2f}"
 
 
@@ -614,9 +617,11 @@ def render(results: list[RunFigures]) -> Any:
         for cond in conditions:
             ratios = []
             for seed in seeds:
-                loop_s = [_reach(thr)(r) for r in pick(cond, "loop") if r.seed == seed]
-                swarm_s = [_reach(thr)(r) for r in pick(cond, "swarm") if r.seed == seed]
-                ratios.append(_seed_ratio(loop_s, swarm_s))
+                loops = [r for r in pick(cond, "loop") if r.seed == seed]
+                swarms = [r for r in pick(cond, "swarm") if r.seed == seed]
+                ratios.append(_seed_ratio([_reach(thr)(r) for r in loops],
+                                          [_reach(thr)(r) for r in swarms],
+                                          [r.wall_s for r in loops], [r.wall_s for r in swarms]))
             cells += ["", "", ",".join(ratios)]
         table.add_row(f"reward >= {thr:g}, swarm/loop by seed", *cells)
     ledgers = [f"{r.mode} {r.latency_s:g}s{' ' + r.algorithm if several else ''}"

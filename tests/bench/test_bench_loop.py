@@ -90,7 +90,8 @@ def test_a_process_read_before_its_exec_takes_its_role_once_it_has_one() -> None
 
 def test_the_table_shows_each_seed_and_the_swarm_over_the_loop_seed_by_seed() -> None:
     """Medians with every seed's value beside them, and a row of per-seed ratios of the
-    time to each reward (one seed where the swarm never got there reads 'inf')."""
+    time to each reward (one seed where the swarm never got there reads '>' the bound its run
+    gives: its 200 s over the loop's 97)."""
     from rich.console import Console
 
     from jetctl.bench.loop import render
@@ -111,10 +112,21 @@ def test_the_table_shows_each_seed_and_the_swarm_over_the_loop_seed_by_seed() ->
     text = console.export_text()
     row = next(line for line in text.splitlines() if "0.8, swarm/loop by seed" in line)
     # 0.8 over 20 groups needs 18 of them at 0.9: 17 s after the switch
-    assert "0.49,inf,0.66" in row.replace(" ", "")
+    assert "0.49,>2.06,0.66" in row.replace(" ", "")
     row = next(line for line in text.splitlines() if "reward >= 0.8 at (s)" in line)
     assert "117(117,97,117)" in row.replace(" ", "")  # the loop: median and each seed
     assert "67(57,-,77)" in row.replace(" ", "")
+
+
+def test_a_seed_only_one_side_got_there_reads_as_a_bound_from_the_other_runs_length() -> None:
+    """Only the swarm reached the reward (at 166 s) while the loop ran 420 s without: the
+    swarm took under 0.40x the loop's time, not '0'; the other way round, over the ratio."""
+    from jetctl.bench.loop import _seed_ratio
+
+    assert _seed_ratio([None], [166.0], [420.0], [400.0]) == "<0.40"
+    assert _seed_ratio([210.0], [None], [420.0], [420.0]) == ">2.00"
+    assert _seed_ratio([None], [None], [420.0], [420.0]) == "-"
+    assert _seed_ratio([200.0], [100.0], [420.0], [420.0]) == "0.50"
 
 
 def test_a_swarm_variant_gets_its_own_columns_beside_the_one_loop() -> None:
