@@ -1,5 +1,5 @@
 """The run directory: where each file lives (docs/CONTRACTS.md), atomic writes, the token,
-finding a run.
+finding a run, and typed readers of the records the tools read back.
 
 One module owns these facts; the controller, the server, the client node, chaos, the ledger
 and the CLI import it (it imports nothing of theirs):
@@ -8,6 +8,13 @@ and the CLI import it (it imports nothing of theirs):
     paths.store("policy")              # runs/tiny/server-policy/store.sqlite
     write_json_atomic(paths.server_file("policy"), {...})
     token = read_token_for(paths.root)  # $JETCTL_TOKEN, else runs/tiny/token
+    read_run_record(paths.root).controller  # run.json, typed: a missing field names the file
+
+The readers (`read_run_record`, `read_server_file`, `read_step_rows`) build small frozen
+dataclasses of the fields their readers use, in one place, and raise `RecordError` naming
+the file and the field when one is missing. Left out: the controller's own re-reading of
+run.json on `--resume` (jetctl.controller.state), and the nodes' files (`nodes/<node>.json`,
+a node's free-form status).
 
 Every `jetctl` command that acts on a run (`status`, `down`, `up --resume`) finds it with
 `find_run_dir`: `--run-dir` if given, else `runs/latest`, else the newest `runs/*/run.json`.
@@ -18,11 +25,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jetctl import auth
 
@@ -31,6 +38,11 @@ TOKEN_ENV = "JETCTL_TOKEN"
 
 class RunDirError(Exception):
     """A run dir problem the user can fix (no run, no token, a controller already running)."""
+
+
+class RecordError(RunDirError):
+    """A run-dir record (run.json, servers/<model>.json, a step row) that is missing, or that
+    lacks a field its reader needs; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +300,8 @@ def read_token_for(run_dir: Path) -> str:
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any]:
+    """run.json as a raw dict (`jetctl down` and `swap-clients` still read it so; the typed
+    reader is `read_run_record`)."""
     data = read_json(RunPaths(run_dir).run_json)
     if data is None:
         raise RunDirError(f"{run_dir} has no readable run.json: is it a jetctl run dir?")
@@ -323,3 +337,223 @@ def update_latest_link(link: Path, run_dir: Path) -> None:
     with replacing(link) as tmp:
         tmp.unlink(missing_ok=True)
         os.symlink(target, tmp)
+
+
+# -- typed records ------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _need(data: Mapping[str, Any], key: str, kind: Callable[[Any], T], where: str) -> T:
+    """`data[key]` as `kind`; RecordError naming `where` and `key` when it is missing or null."""
+    value = data.get(key)
+    if value is None:
+        raise RecordError(f"{where} has no {key!r} (docs/CONTRACTS.md lists what it holds)")
+    return _as(value, key, kind, where)
+
+
+def _maybe(data: Mapping[str, Any], key: str, kind: Callable[[Any], T], where: str) -> T | None:
+    """`data[key]` as `kind`, None when it is missing or null (a field written only sometimes)."""
+    value = data.get(key)
+    return None if value is None else _as(value, key, kind, where)
+
+
+def _as(value: Any, key: str, kind: Callable[[Any], T], where: str) -> T:
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        what = getattr(kind, "__name__", str(kind))
+        raise RecordError(f"{where}: {key!r} is {value!r}, expected {what}") from None
+
+
+def _section(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    """The JSON object under `key` ({} when it is missing or null)."""
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise RecordError(f"{where}: {key!r} is {value!r}, not an object")
+    return value
+
+
+def _entries(
+    data: Mapping[str, Any], key: str, where: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, object) of each entry of the object under `key` (`servers`, `clients`)."""
+    for name, entry in _section(data, key, where).items():
+        if not isinstance(entry, dict):
+            raise RecordError(f"{where}: {key}.{name} is {entry!r}, not an object")
+        yield name, entry
+
+
+@dataclass(frozen=True)
+class ControllerRecord:
+    """run.json's `controller`: the process a command reaches the run through."""
+
+    pid: int
+    endpoint: str  # host:port of its Control service
+    create_time: float  # the process's start time (a recycled pid is not it); 0.0: not recorded
+
+
+@dataclass(frozen=True)
+class TrainedRecord:
+    """run.json's `servers.<model>.trained`: what the controller last heard of the model's
+    training over the network (jetctl.controller.state.trained); None before the first word."""
+
+    version: int | None = None  # optimizer steps
+    reward_mean_recent: float | None = None
+    trained_groups: int | None = None
+    last_checkpoint_version: int | None = None
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    """run.json's `clients.<node>`."""
+
+    task: str
+    revision: str
+    pid: int | None  # a process node's; None for a container, a Ray actor, a node that joined
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """run.json (docs/CONTRACTS.md; jetctl.controller.state writes it): the fields that
+    `jetctl status` and the tests read back."""
+
+    run: str  # run.name; a re-train's run.json (jetctl.rerun) has none: its dir's name
+    recipe: str  # the recipe's absolute path
+    state: str  # starting | running | stopping | finished (jetctl.controller.state.RunPhase)
+    controller: ControllerRecord | None  # None: no controller (a re-train, jetctl.rerun)
+    trained: dict[str, TrainedRecord]  # model -> its `servers.<model>.trained`, every server
+    clients: dict[str, ClientRecord]  # node -> its entry
+    tls: dict[str, Any] | None  # jetctl.tls.TlsFiles.from_json reads it (tls imports this)
+    started_at: float | None = None  # unix seconds
+    finished_at: float | None = None  # unix seconds, once finished
+    stop_reason: str | None = None  # once it ends
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], path: Path) -> RunRecord:
+        where = str(path)
+        ctl = _section(data, "controller", where)
+        controller: ControllerRecord | None = None
+        if ctl:
+            at = f"{where} (controller)"
+            controller = ControllerRecord(
+                pid=_need(ctl, "pid", int, at), endpoint=_need(ctl, "endpoint", str, at),
+                create_time=_maybe(ctl, "create_time", float, at) or 0.0)
+        trained: dict[str, TrainedRecord] = {}
+        for model, entry in _entries(data, "servers", where):
+            at = f"{where} (servers.{model}.trained)"
+            heard = _section(entry, "trained", at)
+            trained[model] = TrainedRecord(
+                version=_maybe(heard, "version", int, at),
+                reward_mean_recent=_maybe(heard, "reward_mean_recent", float, at),
+                trained_groups=_maybe(heard, "trained_groups", int, at),
+                last_checkpoint_version=_maybe(heard, "last_checkpoint_version", int, at))
+        clients: dict[str, ClientRecord] = {}
+        for node, entry in _entries(data, "clients", where):
+            at = f"{where} (clients.{node})"
+            clients[node] = ClientRecord(task=_need(entry, "task", str, at),
+                                         revision=_need(entry, "revision", str, at),
+                                         pid=_maybe(entry, "pid", int, at))
+        return cls(
+            run=_maybe(data, "run", str, where) or path.parent.name,
+            recipe=_need(data, "recipe", str, where),
+            state=_need(data, "state", str, where),
+            controller=controller, trained=trained, clients=clients,
+            tls=_section(data, "tls", where) or None,
+            started_at=_maybe(data, "started_at", float, where),
+            finished_at=_maybe(data, "finished_at", float, where),
+            stop_reason=_maybe(data, "stop_reason", str, where),
+        )
+
+
+def read_run_record(run_dir: Path) -> RunRecord:
+    """run.json of `run_dir`, typed; RunDirError when there is none, RecordError (one) naming
+    the file and the field when a field is missing."""
+    path = RunPaths(Path(run_dir)).run_json
+    data = read_json(path)
+    if data is None:
+        raise RunDirError(f"{run_dir} has no readable run.json: is it a jetctl run dir?")
+    return RunRecord.from_json(data, path)
+
+
+@dataclass(frozen=True)
+class ServerFile:
+    """`servers/<model>.json`: a serving server's addresses, for tools on its host."""
+
+    model: str
+    endpoint: str  # host:port of its gRPC service (advertised)
+    metrics: str  # host:port of its Prometheus /metrics
+    pid: int
+    version: int  # the model version when it was written
+
+
+def read_server_file(run_dir: Path, model: str) -> ServerFile:
+    """`model`'s servers/<model>.json, typed; RecordError when it is missing (the server has
+    not started serving) or lacks a field."""
+    path = RunPaths(Path(run_dir)).server_file(model)
+    data = read_json(path)
+    if data is None:
+        raise RecordError(f"{path} is missing: {model}'s server has not started serving")
+    where = str(path)
+    return ServerFile(model=_need(data, "model", str, where),
+                      endpoint=_need(data, "endpoint", str, where),
+                      metrics=_need(data, "metrics", str, where),
+                      pid=_need(data, "pid", int, where),
+                      version=_need(data, "version", int, where))
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One row of a trainer's step log (`metrics/<model>.steps.jsonl`, written by
+    jetctl.server.trainer): the figures every row has, typed; any other figure by the log's
+    own name, `row["cost/usd"]`, `"eval/rows/step" in row` (the namespaced metric keys the
+    trackers get). A re-train's rows (jetctl.rerun) hold other figures: not read here."""
+
+    step: int  # the model version after the row's batch (= optimizer steps)
+    stepped: bool  # the batch made an optimizer step (one without signal makes none)
+    time: float  # unix seconds
+    reward_mean: float  # "reward/mean": every trajectory consumed, skipped groups' too
+    groups: int  # groups trained on
+    trajectories: int
+    groups_skipped: int  # "groups/skipped": consumed without signal, not trained on
+    trajectories_skipped: int
+    figures: Mapping[str, Any] = field(repr=False)  # the whole row, by the log's names
+
+    def __getitem__(self, name: str) -> Any:
+        return self.figures[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.figures
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any], where: str) -> StepRow:
+        return cls(
+            step=_need(row, "step", int, where), stepped=bool(_need(row, "stepped", float, where)),
+            time=_need(row, "time", float, where),
+            reward_mean=_need(row, "reward/mean", float, where),
+            groups=_need(row, "groups", int, where),
+            trajectories=_need(row, "trajectories", int, where),
+            groups_skipped=_need(row, "groups/skipped", int, where),
+            trajectories_skipped=_need(row, "trajectories/skipped", int, where),
+            figures=row,
+        )
+
+
+def read_step_rows(path: Path) -> list[StepRow]:
+    """The rows of a step log up to its last whole line (after the last newline: a row being
+    written); [] when there is no log yet. RecordError naming the line when one is not a row."""
+    if not Path(path).is_file():
+        return []
+    rows: list[StepRow] = []
+    for n, line in enumerate(Path(path).read_text().split("\n")[:-1], start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise RecordError(f"{where} is not JSON: {line[:80]!r}") from None
+        if not isinstance(row, dict):
+            raise RecordError(f"{where} is not a JSON object: {line[:80]!r}")
+        rows.append(StepRow.from_json(row, where))
+    return rows

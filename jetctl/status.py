@@ -24,7 +24,14 @@ from jetctl.link import call_control
 from jetctl.proctree import pid_alive
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.recipe import Recipe
-from jetctl.rundir import RunDirError, RunPaths, read_run_json, read_token_for
+from jetctl.rundir import (
+    RunDirError,
+    RunPaths,
+    RunRecord,
+    TrainedRecord,
+    read_run_record,
+    read_token_for,
+)
 from jetctl.tls import TlsFiles
 
 
@@ -32,35 +39,39 @@ class RunFinished(RunDirError):
     """The run ended normally; its controller has exited."""
 
 
-def controller_alive(info: dict[str, Any]) -> bool:
-    ctl = info.get("controller") or {}
-    return pid_alive(int(ctl.get("pid") or 0), float(ctl.get("create_time") or 0.0))
+def controller_alive(info: RunRecord | dict[str, Any]) -> bool:
+    """The run's controller process runs (its pid, and its start time: a recycled pid is not
+    it). `info`: run.json as `read_run_record` reads it, or the raw dict of the commands that
+    poll a run.json still being written (jetctl.cli.up) or one that may not be there."""
+    if isinstance(info, RunRecord):
+        ctl = info.controller
+        return ctl is not None and pid_alive(ctl.pid, ctl.create_time)
+    raw = info.get("controller") or {}
+    return pid_alive(int(raw.get("pid") or 0), float(raw.get("create_time") or 0.0))
 
 
 def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:
     """The controller's `Status` reply; RunDirError when the controller is gone or silent."""
-    info = read_run_json(run_dir)
-    run = info.get("run", run_dir.name)
-    ctl = info.get("controller") or {}
-    if not controller_alive(info):
-        if info.get("state") == "finished":
-            raise RunFinished(
-                f"run {run} has finished; its reward curve is in {RunPaths(run_dir).reward_curve_png}"
-            )
+    info = read_run_record(run_dir)
+    ctl = info.controller
+    if ctl is None or not controller_alive(info):
+        if info.state == "finished":
+            raise RunFinished(f"run {info.run} has finished; its reward curve is in "
+                              f"{RunPaths(run_dir).reward_curve_png}")
         raise RunDirError(
-            f"the controller of run {run} (pid {ctl.get('pid')}) is not running: "
-            f"`jetctl up {info.get('recipe', 'RECIPE')} --resume` adopts its nodes again, "
+            f"the controller of run {info.run} (pid {ctl.pid if ctl else None}) is not running: "
+            f"`jetctl up {info.recipe} --resume` adopts its nodes again, "
             f"`jetctl down --run-dir {run_dir}` stops them"
         )
     token = read_token_for(run_dir)
     try:
         reply: cpb.RunStatusReply = call_control(
-            str(ctl.get("endpoint")), token, "Status", cpb.RunStatusRequest(), timeout_s,
-            tls=TlsFiles.from_json(info.get("tls")),
+            ctl.endpoint, token, "Status", cpb.RunStatusRequest(), timeout_s,
+            tls=TlsFiles.from_json(info.tls),
         )
     except grpc.RpcError as e:
         raise RunDirError(
-            f"the controller of run {run} at {ctl.get('endpoint')} did not answer: "
+            f"the controller of run {info.run} at {ctl.endpoint} did not answer: "
             f"{e.code().name}: {e.details()}"
         ) from None
     return reply
@@ -79,31 +90,30 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     from jetctl.ledger import build_ledger
     from jetctl.plot import read_run_rewards
 
-    info = read_run_json(run_dir)
+    info = read_run_record(run_dir)
     paths = RunPaths(run_dir)
-    dirs = _checkpoint_dirs(info, paths)
+    dirs = _checkpoint_dirs(info.recipe)
     rewards = read_run_rewards(run_dir)
-    servers = info.get("servers") or {}
     models: dict[str, Any] = {}
-    for model in sorted(set(servers) | set(rewards)):
+    for model in sorted(set(info.trained) | set(rewards)):
         points = rewards.get(model) or []
         # what the controller heard from the server over the network (jetctl.controller.
         # state.trained): right wherever the server ran; its step log is on its own host
-        heard = (servers.get(model) or {}).get("trained") or {}
+        heard = info.trained.get(model) or TrainedRecord()
         last = [p.reward for p in points[-FINAL_REWARD_BATCHES:]]
         where = dirs.get(model) or str(paths.checkpoints(model))
         checkpoint = _last_checkpoint(where)
-        if checkpoint is None and heard.get("last_checkpoint_version"):
-            checkpoint = f"step {heard['last_checkpoint_version']}, on the server's host"
+        if checkpoint is None and heard.last_checkpoint_version:
+            checkpoint = f"step {heard.last_checkpoint_version}, on the server's host"
         if last:
             final_reward, source = sum(last) / len(last), "steps log"
-        elif "reward_mean_recent" in heard and heard.get("trained_groups"):
-            final_reward, source = float(heard["reward_mean_recent"]), "server status"
+        elif heard.reward_mean_recent is not None and heard.trained_groups:
+            final_reward, source = heard.reward_mean_recent, "server status"
         else:
             final_reward, source = None, None
         models[model] = {
             # the version: optimizer steps
-            "steps": int(heard["version"]) if "version" in heard
+            "steps": heard.version if heard.version is not None
             else (points[-1].step if points else 0),
             "batches": len(points),
             "final_reward": final_reward,
@@ -116,12 +126,12 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
         costs = read_costs(paths.steps_log(model))  # jetctl.costs: None without cost figures
         if costs is not None:
             models[model]["costs"] = costs.to_json()
-    started, finished = info.get("started_at"), info.get("finished_at")
+    started, finished = info.started_at, info.finished_at
     return {
-        "run": info.get("run", run_dir.name),
+        "run": info.run,
         "run_dir": str(run_dir),
-        "state": info.get("state", "finished"),
-        "stop_reason": info.get("stop_reason"),
+        "state": info.state,
+        "stop_reason": info.stop_reason,
         "started_at": started,
         "finished_at": finished,
         "duration_s": round(finished - started, 3) if started and finished else None,
@@ -137,12 +147,12 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _checkpoint_dirs(info: dict[str, Any], paths: RunPaths) -> dict[str, str]:
+def _checkpoint_dirs(recipe_path: str) -> dict[str, str]:
     """model -> its recipe's checkpoint.dir (folder or URL), where the recipe still loads."""
     from jetctl.recipe import RecipeError, load_recipe
 
     try:
-        recipe = load_recipe(str(info.get("recipe") or ""))
+        recipe = load_recipe(recipe_path)
     except RecipeError:
         return {}
     return {m: c.checkpoint.dir for m, c in recipe.models.items() if c.checkpoint.dir}

@@ -11,7 +11,16 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.proto._gen import control_pb2 as cpb
-from jetctl.rundir import RunDirError, find_run_dir, update_latest_link, write_json_atomic
+from jetctl.rundir import (
+    RecordError,
+    RunDirError,
+    find_run_dir,
+    read_run_record,
+    read_server_file,
+    read_step_rows,
+    update_latest_link,
+    write_json_atomic,
+)
 from jetctl.status import RunFinished, document, fetch_status, render_progress, render_status
 
 pytestmark = pytest.mark.unit
@@ -348,3 +357,80 @@ def test_the_ledger_line_says_balanced_first_so_a_narrow_terminal_wraps_the_coun
     console.print(ledger_line({**ledger, "balanced": False, "lost": 3}))
     assert "ledger  NOT balanced: lost 3, trained twice 0, conflicts 0: produced" in \
         console.export_text()
+
+
+def test_run_json_reads_as_a_typed_record_and_a_missing_field_names_the_file(
+    tmp_path: Path,
+) -> None:
+    rd = tmp_path / "runs" / "t"
+    info = {"run": "t", "recipe": "/r.yaml", "run_dir": str(rd), "state": "running",
+            "controller": {"pid": 2**22 + 12345, "endpoint": "127.0.0.1:1", "create_time": 5.5},
+            "servers": {"policy": {"endpoint": "127.0.0.1:2", "pid": 7,
+                                   "trained": {"version": 9, "reward_mean_recent": 0.5,
+                                               "trained_groups": 4,
+                                               "last_checkpoint_version": 8}},
+                        "critic": {"endpoint": "", "pid": None, "trained": {}}},
+            "clients": {"arith-0": {"task": "arith", "revision": "r0", "pid": 11},
+                        "web-0": {"task": "web", "revision": "r1", "container_id": "c0ffee"}},
+            "tls": {"mode": "mtls", "cert_dir": "/certs"}, "started_at": 1000.0}
+    write_json_atomic(rd / "run.json", info)
+    run = read_run_record(rd)
+    assert (run.run, run.recipe, run.state, run.started_at, run.finished_at) == (
+        "t", "/r.yaml", "running", 1000.0, None)
+    assert run.controller is not None and (run.controller.pid, run.controller.endpoint,
+                                           run.controller.create_time) == (
+        2**22 + 12345, "127.0.0.1:1", 5.5)
+    assert run.trained["policy"].version == 9 and run.trained["policy"].trained_groups == 4
+    assert run.trained["critic"].version is None  # the controller heard nothing yet
+    assert run.clients["arith-0"].pid == 11 and run.clients["web-0"].pid is None
+    assert run.tls == {"mode": "mtls", "cert_dir": "/certs"}
+
+    for broken, field in (({k: v for k, v in info.items() if k != "recipe"}, "'recipe'"),
+                          ({**info, "controller": {"pid": 3}}, "'endpoint'"),
+                          ({**info, "controller": {"pid": "three", "endpoint": "h:1"}},
+                           "'pid' is 'three'")):
+        write_json_atomic(rd / "run.json", broken)
+        with pytest.raises(RecordError, match=field) as e:
+            read_run_record(rd)
+        assert str(rd / "run.json") in str(e.value)
+    # `jetctl status` says so in one line
+    write_json_atomic(rd / "run.json", {k: v for k, v in info.items() if k != "recipe"})
+    res = CliRunner().invoke(build_app(), ["status", "--run-dir", str(rd), "--once", "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "run.json has no 'recipe'" in " ".join(res.output.split())
+
+
+def test_step_rows_are_typed_up_to_the_last_whole_line(tmp_path: Path) -> None:
+    log = tmp_path / "metrics" / "policy.steps.jsonl"
+    assert read_step_rows(log) == []  # no log yet
+    row = {"step": 3.0, "stepped": 1.0, "time": 1000.0, "reward/mean": 0.25, "groups": 2.0,
+           "trajectories": 16.0, "groups/skipped": 1.0, "trajectories/skipped": 8.0,
+           "cost/usd": 0.5}
+    log.parent.mkdir()
+    log.write_text(json.dumps(row) + "\n" + json.dumps({**row, "stepped": 0.0}) + "\n"
+                   + json.dumps(row)[:20])  # the third row is being written
+    first, second = read_step_rows(log)
+    assert (first.step, first.stepped, first.reward_mean, first.groups, first.trajectories,
+            first.groups_skipped, first.trajectories_skipped) == (3, True, 0.25, 2, 16, 1, 8)
+    assert second.stepped is False
+    assert first["cost/usd"] == 0.5 and "cost/usd" in first and "eval/rows/step" not in first
+    with open(log, "a") as f:
+        f.write("\n" + json.dumps({k: v for k, v in row.items() if k != "reward/mean"}) + "\n")
+    with pytest.raises(RecordError, match="line 3 is not JSON"):
+        read_step_rows(log)
+    log.write_text(json.dumps({k: v for k, v in row.items() if k != "reward/mean"}) + "\n")
+    with pytest.raises(RecordError, match=r"policy.steps.jsonl line 1 has no 'reward/mean'"):
+        read_step_rows(log)
+
+
+def test_a_servers_file_reads_typed_and_a_missing_one_says_the_server_is_not_serving(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RecordError, match=r"servers/policy.json is missing: policy's server"):
+        read_server_file(tmp_path, "policy")
+    write_json_atomic(tmp_path / "servers" / "policy.json", {
+        "model": "policy", "endpoint": "127.0.0.1:5", "metrics": "127.0.0.1:6", "pid": 42,
+        "version": 3, "refused_revisions": []})
+    server = read_server_file(tmp_path, "policy")
+    assert (server.endpoint, server.metrics, server.pid, server.version) == (
+        "127.0.0.1:5", "127.0.0.1:6", 42, 3)
