@@ -20,17 +20,25 @@ over the groups the step consumed (`step_client_costs`): `cost/usd` (all kinds),
 `cost/usd/<kind>`, `cost/client_cpu_s`, `cost/env_s`, and per task in the log only
 `cost/client_by_task`. The trackers get every scalar of the row (jetctl/trackers.py).
 
-Waste: spend that trained nothing. A client node tallies the rollouts whose trajectories
-never reached a group it spooled (failed, timed out, or ok in a group dropped for having
-fewer than 2 ok), per task, in its status (`waste`: `add_waste`): their `Trajectory.costs`
-summed (a failed rollout's spend counts too: jetctl/client/rollout.py keeps what its session
-reported before it failed) with `trajectories` (how many) and `rollout_s` (their wall
-seconds). A timed-out rollout's process is killed before it reports, so only its count and
-wall seconds are known. The controller keeps each node's last status in `nodes/<name>.json`;
-`client_waste` sums them per task. The server adds the groups its batch-time staleness gate
-refused (they reached it, were never trained) to its next step row as `cost/waste_by_task`
-(the same keys but `rollout_s`: a trajectory does not say over how many roles its
-rollout's wall time is split), summed into `Costs.waste`.
+Waste: spend that trained nothing. A client node tallies in its status (`waste`: `NodeWaste`,
+`add_waste`) its task's trajectories that never trained: those that never reached a group it
+spooled (failed, timed out, or ok in a group dropped for having fewer than 2 ok),
+those of a group whose node task raised (what its rollouts reported before the group was
+lost), those of a group the server refused at Submit (acks STALE, INVALID, REVISION: their
+costs read from the group's spooled bytes) or too large to send (dead-letter), and, by
+number only, those a killed predecessor of the node lost mid-rollout. Each counts its
+`Trajectory.costs` with `trajectories` (how many) and `rollout_s` (its share of its rollout's
+wall seconds). A rollout's process reports its spend as it happens (each `session.cost`,
+with its env timings so far, one small message to the node: jetctl/client/rollout.py), so a
+rollout killed for its timeout, or one that died without a result, keeps the spend it
+reported and its env seconds; its CPU seconds stay unknown. A failed rollout's spend counts
+too. The tally lives in a small JSON file beside the node's spool (`RunPaths.node_waste`,
+replaced atomically on each change) and is reloaded when the node starts, so a node restarted
+under the same name goes on from its predecessor's tally. The controller keeps each node's
+last status in `nodes/<name>.json`; `client_waste` sums them per task. The server adds the
+groups its batch-time staleness gate refused (they reached it, were never trained) to its
+next step row as `cost/waste_by_task` (the same keys but `rollout_s`: a trajectory does not
+say over how many roles its rollout's wall time is split), summed into `Costs.waste`.
 
 GPU seconds: where the trainer's model is on a CUDA device, each row also carries
 `cost/train_gpu_s` (wall seconds of the step, synchronized with the device),
@@ -42,22 +50,26 @@ figures are None.
 The run's summary (`jetctl status` on a finished run, the end of `jetctl up`) and the live
 `jetctl status` (the step logs of the servers on this host) show one line per model, with the
 server CPU seconds and, where an env reported spend, the dollars per 0.1 of reward gained,
-and one line of waste per task; `jetctl bench loop` prints `Costs.per_step()` of the swarm.
+and one line of waste per task; `jetctl bench loop` prints `Costs.per_step()` of the swarm
+(with the waste its rows carry, the groups refused stale at batch time, and on a GPU its GPU
+seconds; the nodes' waste is in their statuses and the run's summary).
 Left out (planned, issue 28): the env's time inside the agent's tool calls (only its `open`
-and `reward` are timed); groups the server refused at Submit (stale, invalid, revision: the
-node's delivery sees the ack, not yet the costs) and a group whose node task raised (its
-rollouts' results are lost); a node restarted under the same name starts its waste tally
-again (the controller keeps its last status only); a server on another host in the live view
-(its step log stays there).
+and `reward` are timed); the CPU seconds of a rollout killed for its timeout; a server on
+another host in the live view (its step log stays there).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jetctl.rundir import read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 REWARD_WINDOW = 10  # steps: the reward gained is the mean of the last this many minus the first
 REWARD_STEP = 0.1  # the unit of reward gained the summary prices
@@ -114,6 +126,37 @@ def add_waste(tally: dict[str, float], costs: Mapping[str, float],
         tally[ROLLOUT_S] = tally.get(ROLLOUT_S, 0.0) + rollout_s
 
 
+class NodeWaste:
+    """A client node's waste tally (`add_waste`'s keys), kept in a small JSON file beside its
+    spool (`path`; None: in memory only) that each change replaces atomically, and read back
+    when the node starts again under the same name: the controller keeps only a node's last
+    status, so a tally that started again would forget its predecessor's waste. `roles`: a
+    team rollout's wall seconds are split evenly over its roles' trajectories."""
+
+    def __init__(self, path: Path | None = None, roles: int = 1) -> None:
+        self.path = path
+        self.roles = roles
+        saved = read_json(path) if path is not None else None  # None: no file yet
+        if saved is None and path is not None and path.exists():  # written atomically: foreign
+            log.warning("%s is not a waste tally; this node's tally starts from 0", path)
+        self.totals: dict[str, float] = {
+            k: float(v) for k, v in (saved or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+
+    def add(self, trajectories: Iterable[tuple[Mapping[str, float], float | None]]) -> int:
+        """Add trajectories that trained nothing, each as (its `Trajectory.costs`, its
+        rollout's wall seconds or None where unknown), and save the tally once; returns how
+        many."""
+        n = 0
+        for costs, rollout_s in trajectories:
+            add_waste(self.totals, costs, None if rollout_s is None else rollout_s / self.roles)
+            n += 1
+        if n and self.path is not None:
+            write_json_atomic(self.path, dict(sorted(self.totals.items())))
+        return n
+
+
 def client_waste(statuses: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
     """task -> the waste tallies (`waste`) of client node statuses, summed."""
     out: dict[str, dict[str, float]] = {}
@@ -144,9 +187,9 @@ def waste_line(task: str, tally: Mapping[str, float]) -> str:
     spend = (f"; env spend ${sum(usd.values()):.4f} ("
              + ", ".join(f"{k} ${v:.4f}" for k, v in sorted(usd.items())) + ")") if usd else ""
     return (f"waste {task}: {int(tally.get(WASTED, 0))} trajectories failed, timed out or "
-            f"dropped on the nodes: client CPU {tally.get(CLIENT_CPU_S, 0.0):.1f} s, env "
-            f"{tally.get(ENV_S, 0.0):.1f} s, rollouts {tally.get(ROLLOUT_S, 0.0):.1f} s wall"
-            + spend)
+            "dropped on the nodes, or refused at Submit: client CPU "
+            f"{tally.get(CLIENT_CPU_S, 0.0):.1f} s, env {tally.get(ENV_S, 0.0):.1f} s, "
+            f"rollouts {tally.get(ROLLOUT_S, 0.0):.1f} s wall" + spend)
 
 
 def gpu_split(interval_s: float, train_s: float, publish_s: float) -> dict[str, float]:
@@ -203,8 +246,14 @@ class Costs:
     def per_step(self) -> dict[str, float | None]:
         """The figures `jetctl bench loop` prints beside its ratios: server CPU seconds per
         step row, split; reported dollars, client CPU and tokens per step row; the prices of
-        0.1 of reward gained."""
+        0.1 of reward gained; the waste the rows carry (groups refused stale at batch time:
+        trajectories, their client CPU and spend) per step row; and where the rows were on a
+        GPU, its seconds per step row, split (absent on a CPU)."""
         n = self.steps
+        waste_usd = sum(v for k, v in self.waste.items() if k.startswith(USD))
+        gpu = {f"{part}_gpu_s_per_step": s / n for part, s in (
+            ("train", self.train_gpu_s), ("generate", self.generate_gpu_s),
+            ("publish", self.publish_gpu_s)) if s is not None}
         return {
             "server_cpu_s_per_step": self.server_cpu_s / n,
             "train_cpu_s_per_step": self.train_cpu_s / n,
@@ -215,6 +264,10 @@ class Costs:
             "tokens_generated_per_step": self.tokens_generated / n,
             "cpu_s_per_0.1_reward": self.cpu_s_per_reward_step,
             "usd_per_0.1_reward": self.usd_per_reward_step,
+            "waste_trajectories_per_step": self.waste.get(WASTED, 0.0) / n,
+            "waste_client_cpu_s_per_step": self.waste.get(CLIENT_CPU_S, 0.0) / n,
+            "waste_usd_per_step": waste_usd / n,
+            **gpu,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -11,14 +11,16 @@ functions. A rollout runs in its own process group, so a timeout kills it whole.
 A session that pays for something outside jetctl (a paid API, an LLM judge, a sandbox)
 reports it by mixing in `Spending` and calling `self.cost(usd=0.002, kind="judge")` (the
 agent may call `session.cost(...)` too). The spend travels with the rollout's trajectories
-and is summed per step and per task in the step rows (jetctl/costs.py).
+and is summed per step and per task in the step rows (jetctl/costs.py). The rollout process
+sends each `cost` call's running total to the node as it happens (`on_cost`), so a rollout
+killed for its timeout keeps the spend it reported.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,8 +96,8 @@ class Spending:
                 self.cost(usd=verdict.usage_usd, kind="judge")
                 ...
 
-    Needs no `__init__` call (works beside dataclasses). A failed rollout's spend is lost
-    with its trajectories (the server never sees them)."""
+    Needs no `__init__` call (works beside dataclasses). A failed or timed-out rollout's
+    spend counts as waste (jetctl/costs.py): it trained nothing."""
 
     def cost(self, usd: float, kind: str = "api") -> None:
         """Add `usd` (>= 0, finite) to this session's spend of `kind`."""
@@ -106,6 +108,17 @@ class Spending:
                              "(api, judge, sandbox)")
         spent: dict[str, float] = self.__dict__.setdefault("_jetctl_spent", {})
         spent[kind] = spent.get(kind, 0.0) + float(usd)
+        report = self.__dict__.get("_jetctl_on_cost")
+        if report is not None:
+            report(dict(spent))
+
+
+def on_cost(session: object, report: Callable[[dict[str, float]], None]) -> None:
+    """Call `report(spent(session))` now and after each later `session.cost(...)` (the rollout
+    process sends each to the node: a rollout killed before it ends keeps what it spent)."""
+    if isinstance(session, Spending):
+        session.__dict__["_jetctl_on_cost"] = report
+    report(spent(session))
 
 
 def spent(session: object) -> dict[str, float]:

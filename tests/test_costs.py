@@ -67,9 +67,9 @@ def test_a_runs_steps_add_up_to_its_costs_and_the_summary_shows_them(tmp_path: P
     console.print(render_summary(summary))
     text = console.export_text()
     assert "cost policy: server CPU" in text and "tokens generated 27, trained 18" in text
-    assert ("waste digits: 4 trajectories failed, timed out or dropped on the nodes: client "
-            "CPU 2.0 s, env 0.5 s, rollouts 39.0 s wall; env spend $0.7500 (judge $0.7500)"
-            in text)
+    assert ("waste digits: 4 trajectories failed, timed out or dropped on the nodes, or "
+            "refused at Submit: client CPU 2.0 s, env 0.5 s, rollouts 39.0 s wall; env spend "
+            "$0.7500 (judge $0.7500)" in text)
 
 
 def test_bench_loop_prints_the_swarms_cost_per_step_beside_its_ratios(tmp_path: Path) -> None:
@@ -111,6 +111,10 @@ def test_bench_loop_prints_the_swarms_cost_per_step_beside_its_ratios(tmp_path: 
         key = f"{part}_cpu_s_per_step"
         assert cells(f"{part} CPU s per step")[1:3] == ["-", f"{per[key]:.2f}"], part
     assert cells("tokens generated per step")[1:3] == ["-", "9"]
+    # the waste its rows carry (none refused here), and no GPU rows for a trainer on a CPU
+    assert cells("refused stale at batch, trajectories per step")[1:3] == ["-", "0.00"]
+    assert cells("their env spend $ per step")[1:3] == ["-", "0.0000"]
+    assert not any("GPU s per step" in line for line in lines)
     assert asdict(swarm)["costs"]["train_cpu_s_per_step"] == per["train_cpu_s_per_step"]  # type: ignore[call-overload]
 
 
@@ -235,3 +239,63 @@ def test_a_rows_gpu_seconds_split_its_wall_interval(tmp_path: Path) -> None:
     assert costs is not None
     assert (costs.train_gpu_s, costs.generate_gpu_s, costs.publish_gpu_s) == (6.0, 13.0, 1.0)
     assert "GPU 6.0 s train, 13.0 generate, 1.0 publish" in cost_line("p", costs.to_json())
+
+
+def test_per_step_carries_the_ledgers_waste_and_its_gpu_seconds_where_there_are_any(
+    tmp_path: Path,
+) -> None:
+    """`Costs.per_step()` (what `jetctl bench loop` prints and writes): the waste the rows
+    carry (groups refused stale at batch time) and, on a GPU, its seconds, per step row."""
+    from jetctl.costs import gpu_split
+
+    base = {"cost/server_cpu_s": 2.0, "cost/train_cpu_s": 1.0, "cost/generate_cpu_s": 0.5,
+            "cost/publish_cpu_s": 0.5, "cost/tokens_by_task": {"digits": [9, 9]},
+            "reward/mean": 0.5}
+    stale = {"cost/waste_by_task": {"digits": {"trajectories": 2.0, "usd/judge": 0.5,
+                                               "client_cpu_s": 3.0, "env_s": 1.0}}}
+    gpu = gpu_split(10.0, 3.0, 0.5)
+    log = tmp_path / "gpu.steps.jsonl"
+    log.write_text(json.dumps({**base, **gpu, **stale}) + "\n" + json.dumps({**base, **gpu}) + "\n")
+    costs = read_costs(log)
+    assert costs is not None
+    per = costs.per_step()
+    assert (per["waste_trajectories_per_step"], per["waste_usd_per_step"],
+            per["waste_client_cpu_s_per_step"]) == (1.0, 0.25, 1.5)  # 2 rows
+    assert (per["train_gpu_s_per_step"], per["generate_gpu_s_per_step"],
+            per["publish_gpu_s_per_step"]) == (3.0, 6.5, 0.5)
+
+    cpu = tmp_path / "cpu.steps.jsonl"  # a trainer on a CPU, nothing refused: no GPU figures
+    cpu.write_text(json.dumps(base) + "\n")
+    costs = read_costs(cpu)
+    assert costs is not None
+    per = costs.per_step()
+    assert per["waste_trajectories_per_step"] == 0.0 and per["waste_usd_per_step"] == 0.0
+    assert not any("gpu" in k for k in per)
+
+
+def test_a_nodes_waste_tally_is_kept_across_its_restarts(tmp_path: Path) -> None:
+    """`NodeWaste`: the tally a node's status reports is saved beside its spool at each
+    change and read back by the next node of the same name; a team rollout's wall seconds
+    are split over its roles."""
+    from jetctl.costs import NodeWaste, client_waste
+    from jetctl.rundir import RunPaths
+
+    path = RunPaths(tmp_path).node_waste("digits-0")
+    first = NodeWaste(path, roles=2)  # a team task of two roles
+    assert first.totals == {}, "no file yet: a node's first start"
+    # a role's trajectory of a failed rollout (its share of the costs), and one lost whole
+    assert first.add([({"usd/judge": 0.25, "client_cpu_s": 0.5}, 4.0), ({}, None)]) == 2
+    assert first.add([]) == 0
+
+    second = NodeWaste(path, roles=2)  # the node restarted under its name
+    assert second.totals == {"trajectories": 2.0, "usd/judge": 0.25, "client_cpu_s": 0.5,
+                             "rollout_s": 2.0}
+    second.add([({"usd/judge": 0.25}, 2.0)])
+    assert NodeWaste(path).totals == {"trajectories": 3.0, "usd/judge": 0.5,
+                                      "client_cpu_s": 0.5, "rollout_s": 3.0}
+    # what the run's summary sums from the node's last status
+    status = {"task": "digits", "waste": dict(second.totals)}
+    assert client_waste([status])["digits"]["usd/judge"] == 0.5
+
+    path.write_text("{not json")  # a file that is not a tally (the write is atomic): start over
+    assert NodeWaste(path).totals == {}

@@ -14,7 +14,10 @@ resent one group at a time to find the bad one, and once those are resent the no
 again. STALE, INVALID and REVISION are final; the REVISION ack means the server refuses this
 node's revision, so the node drains. A RESOURCE_EXHAUSTED with a `retry-after-ms` (the
 server's store writer is full) defers the batch by that long: the server is reachable, so
-this is not a link down, and the groups stay spooled (nothing is lost).
+this is not a link down, and the groups stay spooled (nothing is lost). A group refused for
+good (STALE, INVALID, REVISION), or too large for the server (dead-letter), trained nothing:
+its trajectories' costs, read from its spooled bytes, go to the node's waste tally
+(jetctl/costs.py `NodeWaste`).
 
 A team task's node has one `Delivery` per model (`model=`), each with its own transport and
 taking only its model's groups from the shared spool, so one model's unreachable server
@@ -31,10 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.spool import Outcome, PendingGroup, Spool
 from jetctl.client.transport import EndpointNotFound, SwarmTransport, retry_after_s
+from jetctl.costs import NodeWaste
 from jetctl.proto._gen import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -72,8 +77,10 @@ class Delivery:
         on_revision_refused: Callable[[], None] = lambda: None,
         on_acked: Callable[[float, int], None] | None = None,
         model: str | None = None,  # send only this model's groups (None: every group)
+        waste: NodeWaste | None = None,  # the node's tally (None: one of its own, in memory)
     ) -> None:
         self.spool = spool
+        self.waste = waste if waste is not None else NodeWaste()
         self.model = model
         self.transport = transport
         self.stats = stats
@@ -238,6 +245,7 @@ class Delivery:
         group = pb.TrajectoryGroup.FromString(item.payload)
         error = f"group is {len(item.payload)} bytes; the server takes at most {cap}"
         self.spool.dead_letter(item.id, [t.id for t in group.trajectories], error)
+        self._wasted(group)
         self.stats.drop("dead-letter", len(group.trajectories))
         self.metrics.dropped.labels(reason="dead-letter").inc(len(group.trajectories))
 
@@ -254,8 +262,23 @@ class Delivery:
         self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
         if outcome in ("stale", "invalid", "revision"):
             log.warning("group %s %s: %s", item.id, outcome, reason)
+            self._refused(item)
         if outcome == "revision":
             self._on_revision_refused()  # nothing more to do here
+
+    def _refused(self, item: PendingGroup) -> None:
+        """A group refused for good trained nothing: its trajectories' costs, read from its
+        spooled bytes, go to the waste tally."""
+        try:
+            group = pb.TrajectoryGroup.FromString(item.payload)
+        except DecodeError:  # bytes nobody can read (a damaged spool): counted, costs unknown
+            self.waste.add(({}, None) for _ in range(item.n_trajectories))
+            return
+        self._wasted(group)
+
+    def _wasted(self, group: pb.TrajectoryGroup) -> None:
+        """A group that will never train: its trajectories' costs go to the waste tally."""
+        self.waste.add((dict(t.costs), t.timings.get("rollout_s")) for t in group.trajectories)
 
     def _probe_due(self) -> bool:
         """While the link is down, send the oldest deferred group every `probe_s` (a probe):

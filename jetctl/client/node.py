@@ -60,6 +60,7 @@ from jetctl.client.transport import (
     ServerBackend,
     SwarmTransport,
 )
+from jetctl.costs import NodeWaste
 from jetctl.journal import SPOOL_TABLES, Journal
 from jetctl.link import ControlLink, Identity
 from jetctl.proto._gen import swarm_pb2 as pb
@@ -130,6 +131,8 @@ class ClientNode:
         link = config.link
         # live rollouts (pid, start time): a restart kills what a killed predecessor left
         self._rollout_registry = self.paths.rollouts(config.name)
+        # what its trajectories that trained nothing cost, across its restarts (jetctl.costs)
+        self.waste = NodeWaste(self.paths.node_waste(config.name), len(config.task.role_models))
         self.transports = {
             m: SwarmTransport(
                 m, config.token, run_dir=None if link else config.run_dir,
@@ -150,7 +153,7 @@ class ClientNode:
                 ),
                 # the server refuses this revision: nothing more to do here
                 on_revision_refused=self.drain, on_acked=config.on_acked,
-                model=m if self.team else None,
+                model=m if self.team else None, waste=self.waste,
             )
             for m, transport in self.transports.items()
         }
@@ -233,6 +236,7 @@ class ClientNode:
             log.warning("%d rollouts of an earlier process of %s were lost", lost, self.config.name)
             self.stats.drop("lost", lost)
             self.metrics.dropped.labels(reason="lost").inc(lost)
+            self.waste.add(({}, None) for _ in range(lost))  # trained nothing; costs unknown
 
     async def _finish(
         self, senders: list[asyncio.Task[None]], status_task: asyncio.Task[None]
@@ -358,6 +362,7 @@ class ClientNode:
             self.proxy, self._runner, self.spool, self.stats, self.metrics,
             draining=self._draining, on_spooled=self._wake_senders,
             local_engine=self._local_engine, governor=governor, link=self.link,
+            waste=self.waste,
         )
         self.metrics.concurrency.set(self.producer.slots.limit)
 
@@ -425,8 +430,8 @@ class ClientNode:
             "dropped": dict(self.stats.dropped),
             # tokens generated for this node's calls, by model (a team's calls reach several)
             "tokens_generated": dict(self.proxy.tokens_generated) if self.proxy else {},
-            # what its dropped trajectories cost (jetctl/costs.py: failed, timed out, dropped)
-            "waste": dict(self.producer.waste) if isinstance(self.producer, Producer) else {},
+            # what its trajectories that trained nothing cost (jetctl/costs.py)
+            "waste": dict(self.waste.totals),
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "address": self.link.address if self.link is not None else None,

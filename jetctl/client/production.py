@@ -17,14 +17,19 @@ a comparison). Rollouts never wait for training; they wait only while the spool 
 than `spool_max_bytes` (back-pressure; nothing un-acked is ever deleted).
 
 The costs of the trajectories dropped here (failed, timed out, or ok in a dropped group) are
-tallied in `Producer.waste` (jetctl/costs.py `add_waste`), which the node's status reports:
-spend that trained nothing.
+tallied in `Producer.waste` (jetctl/costs.py `NodeWaste`, shared with the node's deliveries,
+which add the groups the server refuses), which the node's status reports: spend that
+trained nothing. Each rollout's `Reported` (jetctl/client/rollout.py) holds what it reported
+as it ran, so a timed-out rollout's spend counts, and so does a lost group's.
 
 Every finished group's outcome is read. A group whose task raised (e.g. its rollout process
 could not start because the node's forkserver died under a SIGTERM) is logged with its
 traceback, counted (`jetctl_client_group_errors_total`), and its trajectories still in
 progress become `dropped(failed)` with that error at once, in one transaction: a node that
-drains leaves nothing in `inflight`, so the ledger balances without a restart.
+drains leaves nothing in `inflight`, so the ledger balances without a restart. They are
+waste too, each with what its rollout reported before the group was lost (its result, or
+the spend and env seconds so far of one stopped with the group; nothing of one that never
+started).
 
 A team task (`roles:`) splits each rollout's timeline by role: each role's calls become that
 role's trajectory (ids of its own, made before the rollouts start, with the rollout's id in
@@ -49,17 +54,23 @@ import math
 import random
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jetctl import tracing
 from jetctl.client.concurrency import Governor, Slots
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.proxy import Proxy
-from jetctl.client.rollout import RolloutResult, RolloutRunner, RolloutSpec, load_object
+from jetctl.client.rollout import (
+    Reported,
+    RolloutResult,
+    RolloutRunner,
+    RolloutSpec,
+    load_object,
+)
 from jetctl.client.rows import Picked, TaskSource, task_source
 from jetctl.client.spool import Spool, SpooledGroup
-from jetctl.costs import add_waste, rollout_costs
+from jetctl.costs import NodeWaste, rollout_costs
 from jetctl.deterministic import RolloutSeeds
 from jetctl.env import Task
 from jetctl.link import ControlLink
@@ -100,6 +111,8 @@ class _Group:
     rollout_ids: list[str]
     parts: list[_Part]  # one per role (one for a task without roles)
     ordinal: int  # the group's place among the node's groups (0, 1, ...): seeds its calls
+    reported: list[Reported]  # what each rollout reported so far (its result once it ends)
+    wasted: set[str] = field(default_factory=set)  # trajectory ids already in the waste tally
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,7 @@ class Producer:
         local_engine: Any = None,  # inference: local; refreshed between groups
         governor: Governor | None = None,  # concurrency: auto
         link: ControlLink | None = None,  # a dataset env's rows are leased from the run
+        waste: NodeWaste | None = None,  # the node's tally (None: one of its own, in memory)
     ) -> None:
         self.config = config
         self.proxy = proxy
@@ -145,8 +159,9 @@ class Producer:
         self._team = bool(config.task.roles)
         self._link = link
         # the costs of this node's trajectories that never reached a spooled group (failed,
-        # timed out, or ok in a dropped group): its status's `waste` (jetctl/costs.py)
-        self.waste: dict[str, float] = {}
+        # timed out, ok in a dropped group, or lost with a group whose task raised): its
+        # status's `waste` (jetctl/costs.py)
+        self.waste = waste if waste is not None else NodeWaste(roles=len(self._roles))
 
     def _tasks(self) -> TaskSource:
         """The env's tasks: rows leased from the controller for a dataset env on a node
@@ -222,12 +237,13 @@ class Producer:
         ]
         for part in parts:
             self.spool.start(part.group_id, part.trajectory_ids, model=part.model)
-        return _Group(task, rollout_ids, parts, ordinal)
+        return _Group(task, rollout_ids, parts, ordinal, [Reported() for _ in rollout_ids])
 
     def _settle(self, finished: asyncio.Task[None], group: _Group) -> None:
         """Read a finished group task's outcome. On an error it is logged with its cause and
         counted, and the group's trajectories still in progress become dropped(failed) with
-        it, so none stays `inflight`."""
+        it, so none stays `inflight`, and to the waste tally with what their rollouts
+        reported."""
         exc = None if finished.cancelled() else finished.exception()
         if exc is None and not finished.cancelled():
             return
@@ -238,6 +254,7 @@ class Producer:
         self.metrics.group_errors.inc()
         self.stats.groups_dropped += 1
         dropped = 0
+        lost: list[Reported] = []  # the rollout of each trajectory dropped here
         for part in group.parts:
             n = self.spool.drop_group(
                 part.group_id, "failed", f"the node's group task failed: {error}"
@@ -245,6 +262,13 @@ class Producer:
             self.stats.drop("failed", n)
             self.metrics.dropped.labels(reason="failed").inc(n)
             dropped += n
+            # those still in progress: not yet tallied (a group that failed after some of its
+            # trajectories were dropped has tallied those)
+            lost += [r for tid, r in zip(part.trajectory_ids, group.reported)
+                     if tid not in group.wasted][:n]
+        roles = len(self._roles)
+        self.waste.add((rollout_costs(r.timings, r.usd, roles), r.timings.get("rollout_s"))
+                       for r in lost)
         log.error(
             "group %s of task %s failed (%s); its %d trajectories in progress are recorded as "
             "dropped(failed)", group.parts[0].group_id, self.config.task_name,
@@ -256,7 +280,8 @@ class Producer:
         """`group_size` rollouts of one task, spooled as one group per part (role)."""
         task, rollout_ids, parts = group.task, group.rollout_ids, group.parts
         runs = [
-            asyncio.create_task(self._run_rollout(task, rid, self._seeds(group.ordinal, i)))
+            asyncio.create_task(self._run_rollout(
+                task, rid, self._seeds(group.ordinal, i), group.reported[i]))
             for i, rid in enumerate(rollout_ids)
         ]
         try:
@@ -264,10 +289,11 @@ class Producer:
         except BaseException:
             for run in runs:  # the group is lost as a whole: stop (and kill) its other rollouts
                 run.cancel()
+            await asyncio.wait(runs)  # stopped: what each spent so far is in its Reported
             raise
         spooled = []
         for part in parts:
-            made = self._part_group(task, part, rollout_ids, rollouts)
+            made = self._part_group(group, part, rollouts)
             if made is not None:
                 spooled.append(SpooledGroup(
                     made.id, group_to_pb(made).SerializeToString(),
@@ -280,20 +306,21 @@ class Producer:
         self.stats.groups_finished += 1
 
     def _part_group(
-        self, task: Task, part: _Part, rollout_ids: list[str], rollouts: list[_Rollout]
+        self, group: _Group, part: _Part, rollouts: list[_Rollout]
     ) -> TrajectoryGroup | None:
         """The group of one role, or None when fewer than 2 of its trajectories are ok (its
         trajectories are then recorded as dropped)."""
+        task = group.task
         trajectories = [
             self._trajectory(task, part, rid, tid, r)
-            for rid, tid, r in zip(rollout_ids, part.trajectory_ids, rollouts)
+            for rid, tid, r in zip(group.rollout_ids, part.trajectory_ids, rollouts)
         ]
-        for t in trajectories:
-            if t.status != "ok":
-                self._record_drop(t.id, t.status, t.error, part.model)
-                self._waste(t)
+        failed = [t for t in trajectories if t.status != "ok"]
+        for t in failed:
+            self._record_drop(t.id, t.status, t.error, part.model)
         ok = [t for t in trajectories if t.status == "ok"]
         if len(ok) >= 2:
+            self._waste(group, failed)
             return TrajectoryGroup(
                 id=part.group_id, task=self.config.task_name, task_id=task.id, model=part.model,
                 trajectories=ok,
@@ -305,7 +332,7 @@ class Producer:
         )
         for t in ok:
             self._record_drop(t.id, "failed", reason, part.model)
-            self._waste(t)
+        self._waste(group, failed + ok)
         self.stats.groups_dropped += 1
         log.warning("%s", reason)
         return None
@@ -361,10 +388,11 @@ class Producer:
             costs=rollout_costs(result.timings, result.usd, roles=len(self._roles)),
         )
 
-    def _waste(self, t: Trajectory) -> None:
-        """A trajectory that trains nothing: its costs (its share of its rollout's) go to the
-        node's waste tally, with its share of the rollout's wall seconds."""
-        add_waste(self.waste, t.costs, t.timings.get("rollout_s", 0.0) / len(self._roles))
+    def _waste(self, group: _Group, trajectories: list[Trajectory]) -> None:
+        """Trajectories that train nothing: their costs (each its share of its rollout's) go
+        to the node's waste tally, with their share of their rollouts' wall seconds."""
+        group.wasted.update(t.id for t in trajectories)
+        self.waste.add((t.costs, t.timings.get("rollout_s", 0.0)) for t in trajectories)
 
     def _seeds(self, group: int, trajectory: int) -> RolloutSeeds | None:
         """The seeds of a rollout's calls in a deterministic run (None: unseeded)."""
@@ -372,7 +400,7 @@ class Producer:
         return None if run is None else RolloutSeeds(run, self.config.node, group, trajectory)
 
     async def _run_rollout(
-        self, task: Task, rollout_id: str, seeds: RolloutSeeds | None
+        self, task: Task, rollout_id: str, seeds: RolloutSeeds | None, reported: Reported
     ) -> _Rollout:
         cfg = self.config
         async with self.slots:
@@ -389,7 +417,7 @@ class Producer:
                 roles=roles,
             )
             try:
-                result = await self.runner.run(spec, cfg.task.rollout_timeout_s)
+                result = await self.runner.run(spec, cfg.task.rollout_timeout_s, reported)
             finally:
                 timeline = self.proxy.close(rollout_id)
         calls = {role: timeline.calls_of(role) for role in self._roles}
@@ -400,7 +428,9 @@ class Producer:
                 error="the agent returned without calling the model (nothing to train on)",
                 error_type="NoLLMCalls",
                 timings=result.timings,
+                usd=result.usd,  # what its session spent is spent all the same
             )
+        reported.update(result.usd, result.timings)  # its final figures, whatever the runner
         self._count_rollout(result)
         metadata = {"reused_prompts": str(sum(t.reused for t in timeline.turns)),
                     **tracing.carrier(rollout_id)}  # the trajectory's rollout span

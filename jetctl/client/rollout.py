@@ -23,9 +23,14 @@ every rollout that failed on the same forkserver. Only when every try fails does
 
 The child sends one `RolloutResult` back over a pipe: reward, status (ok | failed), error
 text with traceback, timings, and the spend its session reported (`jetctl.env.Spending`),
-a failed one's too. The parent turns a timeout into status `timeout` and a child that died
-without a result into `failed`: their spend and CPU seconds are unknown (the process is
-killed before it reports), only their wall seconds (`rollout_s`).
+a failed one's too. Before that, over the same pipe, it reports what it has spent as it goes
+(`Reported`: once its env session is open, and after each `session.cost(...)`, one small
+message with the spend so far and its env timings so far, `open_s`), which the parent keeps
+in the caller's `Reported`. The parent turns a timeout into status `timeout` and a child that
+died without a result into `failed`, each with the spend and env timings it last reported;
+their CPU seconds are unknown (the process is killed before it reports them), and their wall
+seconds are `rollout_s`. A rollout cancelled under the runner (its group failed) leaves its
+last report and wall seconds in `Reported` too.
 
 This module stays light (stdlib, jetctl.env, jetctl.proctree): it is imported by every rollout
 process.
@@ -51,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from jetctl import proctree, tracing
-from jetctl.env import LLM, Task, spent
+from jetctl.env import LLM, Task, on_cost, spent
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,19 @@ class RolloutResult:
     timings: dict[str, float] = field(default_factory=dict)
     role_rewards: dict[str, float] = field(default_factory=dict)  # {}: every role gets reward
     usd: dict[str, float] = field(default_factory=dict)  # kind -> spend the session reported
+
+
+@dataclass
+class Reported:
+    """What a rollout has reported so far: the spend its session reported (kind -> USD) and
+    its timings (the env's `open_s` while it runs; everything, `rollout_s` included, once it
+    ends). The child sends one after its session opens and after each `session.cost(...)`."""
+
+    usd: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def update(self, usd: Mapping[str, float], timings: Mapping[str, float]) -> None:
+        self.usd, self.timings = dict(usd), dict(timings)
 
 
 def read_reward(raw: object) -> tuple[float, dict[str, float]]:
@@ -142,6 +160,8 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         env = make_env(**spec.env_args)
         session = env.open(spec.task)
         timings["open_s"] = time.monotonic() - t0
+        # the spend so far now and at each session.cost: the node keeps it if it kills us
+        on_cost(session, lambda usd: conn.send(Reported(usd, dict(timings))))
         try:
             t1 = time.monotonic()
             llm = LLM(base_url=spec.base_url, model=spec.model, roles=spec.roles)
@@ -290,8 +310,13 @@ class RolloutRunner:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, spec: RolloutSpec, timeout_s: float) -> RolloutResult:
+    async def run(
+        self, spec: RolloutSpec, timeout_s: float, reported: Reported | None = None
+    ) -> RolloutResult:
+        """Run one rollout; `reported` (the caller's) holds what it reported so far, and once
+        it ends its result's spend and timings, even when it is cancelled."""
         loop = asyncio.get_running_loop()
+        reported = Reported() if reported is None else reported
         reader, writer = self._ctx.Pipe(duplex=False)
         t0 = time.monotonic()
         try:
@@ -306,34 +331,52 @@ class RolloutRunner:
         if record is not None:
             record.write_text(proctree.start_time(proc.pid))
         done = loop.create_future()
+        results: list[RolloutResult] = []
 
-        def wake() -> None:
+        def read() -> None:
+            """One message of the child's: a report so far, or its result (the wait ends)."""
+            if done.done():
+                return
+            try:
+                message = reader.recv()
+            except (EOFError, OSError):  # its end is closed: it died (its sentinel says so too)
+                done.set_result(None)
+                return
+            if isinstance(message, Reported):
+                reported.update(message.usd, message.timings)
+            else:
+                results.append(message)
+                done.set_result(None)
+
+        def ended() -> None:
             if not done.done():
                 done.set_result(None)
 
-        loop.add_reader(reader.fileno(), wake)
-        loop.add_reader(proc.sentinel, wake)
+        fd = reader.fileno()
+        loop.add_reader(fd, read)
+        loop.add_reader(proc.sentinel, ended)
         timed_out = False
         try:
             await asyncio.wait_for(done, timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
         except asyncio.TimeoutError:
             timed_out = True
         except asyncio.CancelledError:
+            loop.remove_reader(fd)
             kill_group(proc.pid)
             proc.kill()
+            last_reports(reader, reported)  # what it spent before it was stopped
+            reported.timings["rollout_s"] = time.monotonic() - t0
+            reader.close()
             if record is not None:
                 record.unlink(missing_ok=True)
             raise
         finally:
-            loop.remove_reader(reader.fileno())
+            loop.remove_reader(fd)
             loop.remove_reader(proc.sentinel)
 
-        result: RolloutResult | None = None
-        if not timed_out and reader.poll(0):
-            try:
-                result = reader.recv()
-            except (EOFError, OSError):
-                result = None
+        if timed_out:
+            kill_group(proc.pid)  # it reports nothing more: what it sent is what is known
+        result = results[0] if results else last_reports(reader, reported)
         reader.close()
         kill_group(proc.pid)
         if proc.is_alive():
@@ -343,15 +386,36 @@ class RolloutRunner:
             record.unlink(missing_ok=True)
         elapsed = time.monotonic() - t0
         if timed_out:
+            known = result if result is not None else reported  # a result sent as time ran out
             result = RolloutResult(
                 status="timeout",
                 error=f"rollout exceeded rollout_timeout_s={timeout_s:g}; killed its process group",
+                usd=dict(known.usd), timings=dict(known.timings),
             )
         elif result is None:
             result = RolloutResult(
                 status="failed",
                 error=f"rollout process exited with code {proc.exitcode} without a result",
                 error_type="RolloutProcessDied",
+                usd=dict(reported.usd), timings=dict(reported.timings),
             )
         result.timings["rollout_s"] = elapsed
+        reported.update(result.usd, result.timings)
         return result
+
+
+def last_reports(
+    reader: multiprocessing.connection.Connection, reported: Reported
+) -> RolloutResult | None:
+    """Read what the child sent that the event loop has not: its last reports (into
+    `reported`), then its result if it sent one (None: it did not, or was cut short)."""
+    while reader.poll(0):
+        try:
+            message = reader.recv()
+        except (EOFError, OSError):  # its end is closed, or a message was cut short by a kill
+            return None
+        if not isinstance(message, Reported):
+            result: RolloutResult = message  # the child sends nothing else
+            return result
+        reported.update(message.usd, message.timings)
+    return None

@@ -52,7 +52,8 @@ class FailingRunner:
         self.calls = 0
         self.cancelled = 0
 
-    async def run(self, spec: RolloutSpec, timeout_s: float) -> RolloutResult:
+    async def run(self, spec: RolloutSpec, timeout_s: float, reported: object = None,
+                  ) -> RolloutResult:
         call, self.calls = self.calls, self.calls + 1
         if call == self.fail_call:
             await asyncio.sleep(0.05)

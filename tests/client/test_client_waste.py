@@ -45,7 +45,8 @@ class ScriptedRunner:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def run(self, spec: RolloutSpec, timeout_s: float) -> RolloutResult:
+    async def run(self, spec: RolloutSpec, timeout_s: float, reported: object = None,
+                  ) -> RolloutResult:
         i, self.calls = self.calls, self.calls + 1
         return RESULTS[i]
 
@@ -71,25 +72,25 @@ async def test_a_nodes_failed_timed_out_and_dropped_trajectories_are_tallied_as_
     spool.close()
 
     # by hand: group 0's FAILED; group 1's OK, TIMEOUT and FAILED (its one ok is dropped too)
-    assert producer.waste == {
+    assert producer.waste.totals == {
         "trajectories": 4.0,
-        "usd/judge": 3 * PRICE,  # the failed rollouts' spend counts; a timeout's is unknown
+        "usd/judge": 3 * PRICE,  # the failed rollouts' spend; TIMEOUT reported none
         "client_cpu_s": 1.0 + 0.5 + 1.0,
         "env_s": 0.5 + 0.25 + 0.5,
         "rollout_s": 3.0 + 2.0 + 8.0 + 3.0,
     }
 
     # two nodes of the task and one of another, as their statuses report them
-    statuses = [{"task": "echo", "waste": producer.waste}, {"task": "echo", "waste": {}},
+    statuses = [{"task": "echo", "waste": producer.waste.totals}, {"task": "echo", "waste": {}},
                 {"task": "echo", "waste": {"trajectories": 1.0, "rollout_s": 1.0}},
                 {"task": "other", "waste": {"trajectories": 2.0, "usd/api": 0.5}}]
     waste = client_waste(statuses)
     assert waste["echo"]["trajectories"] == 5.0 and waste["echo"]["rollout_s"] == 17.0
     assert waste["other"] == {"trajectories": 2.0, "usd/api": 0.5}
     line = waste_line("echo", waste["echo"])
-    assert line == ("waste echo: 5 trajectories failed, timed out or dropped on the nodes: "
-                    "client CPU 2.5 s, env 1.2 s, rollouts 17.0 s wall; env spend $0.7500 "
-                    "(judge $0.7500)")
+    assert line == ("waste echo: 5 trajectories failed, timed out or dropped on the nodes, or "
+                    "refused at Submit: client CPU 2.5 s, env 1.2 s, rollouts 17.0 s wall; env "
+                    "spend $0.7500 (judge $0.7500)")
 
 
 @dataclass
