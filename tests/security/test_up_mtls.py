@@ -8,11 +8,8 @@ certificate, is refused by the server and by the controller alike.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,33 +22,27 @@ from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc
+from jetctl.rundir import read_run_record
 from jetctl.tls import TlsFiles
-from tests.security.server_proc import ROOT, tiny_recipe
+from tests.runs import detached_run, jetctl, run_status
+from tests.security.server_proc import tiny_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "JETCTL_TOKEN"}
-    return subprocess.run(
-        [sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT, capture_output=True,
-        text=True, timeout=180, check=check, env=env,
-    )
 
 
 def test_up_status_down_over_mtls(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     recipe = tmp_path / "mtls.yaml"
     recipe.write_text(tiny_recipe("  tls: {mode: mtls}\n  duration_s: 240", max_steps=3))
-    up = jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir), check=False)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    # the run's own token file, never one from the environment
+    env = {k: v for k, v in os.environ.items() if k != "JETCTL_TOKEN"}
+    with detached_run(recipe, run_dir, env=env):
         doc: dict[str, Any] = {}
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:
-            out = jetctl("status", "--run-dir", str(run_dir), "--once", "--json", check=False)
-            if out.returncode == 0:
-                doc = json.loads(out.stdout)
+            live = run_status(run_dir, env=env)
+            if live is not None:
+                doc = live
                 if (doc["servers"][0]["accepted"] or 0) > 0:
                     break
             time.sleep(2)
@@ -61,13 +52,14 @@ def test_up_status_down_over_mtls(tmp_path: Path) -> None:
         for name in ("token", "tls/server.key", "tls/client.key"):
             mode = stat.S_IMODE((run_dir / name).stat().st_mode)
             assert mode == 0o600, f"{name} has mode {oct(mode)}"
-        info = json.loads((run_dir / "run.json").read_text())
-        tls = TlsFiles.from_json(info["tls"])
+        info = read_run_record(run_dir)
+        tls = TlsFiles.from_json(info.tls)
         assert tls == TlsFiles("mtls", (run_dir / "tls").resolve())
         token = (run_dir / "token").read_text().strip()
 
         # the controller: plaintext and certificate-less callers never get a call in
-        control = str(info["controller"]["endpoint"])
+        assert info.controller is not None
+        control = info.controller.endpoint
         req = cpb.RunStatusRequest()
         assert call_control(control, token, "Status", req, 10.0, tls=tls).run == "security"
         for wrong in (None, TlsFiles("tls", tls.dir)):
@@ -83,7 +75,6 @@ def test_up_status_down_over_mtls(tmp_path: Path) -> None:
                 pb.StatusRequest(), metadata=bearer(token), timeout=5
             )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        down = jetctl("down", "--run-dir", str(run_dir), "--grace", "20", check=False)
+        down = jetctl("down", "--run-dir", str(run_dir), "--grace", "20", check=False, env=env)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+    assert read_run_record(run_dir).state == "finished"
