@@ -13,7 +13,7 @@ listens) and fails at once on a refusal (an unknown task or model, a stopping ru
 returns None when the controller does not answer: the node keeps working on what it knew
 (endpoints, refused revisions), and its status and ledger records go with the next sync
 that gets through. Ledger records are sent after the last one the controller says it holds,
-at most `batch` per call.
+at most `batch` per call; the ones it holds are pruned from the journal (jetctl.journal).
 """
 
 from __future__ import annotations
@@ -181,6 +181,8 @@ class ControlLink:
             self.reachable, self.last_ok = True, time.monotonic()
             first = self._held is None
             self._held = int(reply.journal_seq)
+            if journal is not None:  # the controller committed these: the node may drop them
+                journal.prune(self._held)
             self.servers = dict(reply.servers)
             self.refused = frozenset(reply.refused_revisions)
             if reply.drain:

@@ -13,8 +13,10 @@ A node (client node or server) never reads or writes the controller's run dir. I
 Then it syncs about once a second: its status figures (what `jetctl status` shows), a
 server's advertised endpoint and the revisions it enforces, and the next records of its
 ledger journal (jetctl.controller.received). The reply carries the servers' endpoints, the
-refused revisions, and `drain` when the run stops, when a swap retired the node, or when the
-controller does not know it. A sync from a client the controller does not know (it restarted,
+refused revisions, `journal_seq` (how far the controller's copy holds the node's journal,
+committed before the reply: the node prunes its journal up to it, jetctl.journal), and
+`drain` when the run stops, when a swap retired the node, or when the controller does not
+know it. A sync from a client the controller does not know (it restarted,
 or the node joined an earlier controller) registers it again as a joined node.
 """
 

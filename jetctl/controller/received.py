@@ -2,10 +2,13 @@
 
 Every node syncs with the controller (`Control.Sync`, about once a second) and sends the
 records of its journal after the last one the controller holds; `apply` stores them and
-returns how far this journal is now held, which the node sends from next time. Records must
-arrive in order and without a gap: a batch that does not start right after what is held is
-ignored and the node is told where to resume (after a controller restart, a lost reply, a
-second sender of the same journal).
+returns how far this journal is now held, which the node sends from next time and prunes
+its journal up to (committed here before the reply). Records must arrive in order and
+without a gap: a batch that does not start right after what is held is ignored and the node
+is told where to resume (after a controller restart, a lost reply, a second sender of the
+same journal). The one exception is a batch that starts with a `reset` above what is held:
+the node pruned what this copy lacks and sends a snapshot instead, so this journal's rows
+are dropped and rebuilt from the snapshot's puts (jetctl.journal).
 
     received = Received(paths.received)
     held = received.apply(name="digits-0", kind="client", journal="<uuid>", records, final)
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetctl.journal import Record
+from jetctl.journal import RESET, Record
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS journals (
@@ -65,8 +68,8 @@ class Received:
             str(self.path), check_same_thread=False, isolation_level=None, timeout=30.0
         )
         self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL: a commit survives the controller's crash, not the OS's; then the nodes,
-        # which never prune their journals, resend from the lower seq this file holds
+        # NORMAL: a commit survives the controller's crash, not the OS's; then a node resends
+        # from the lower seq this file holds, or a snapshot when it pruned past it
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 
@@ -99,10 +102,14 @@ class Received:
                         "INSERT INTO journals (journal, name, kind, seq) VALUES (?, ?, ?, 0)",
                         (journal, name, kind),
                     )
-                complete = not records or records[0].seq == held + 1
+                complete = not records or records[0].seq == held + 1 or (
+                    records[0].op == RESET and records[0].seq > held
+                )
                 if records and complete:
                     for r in records:
-                        if r.op == "del":
+                        if r.op == RESET:  # a snapshot's puts follow: the rows start over
+                            db.execute("DELETE FROM rows WHERE journal = ?", (journal,))
+                        elif r.op == "del":
                             db.execute(
                                 "DELETE FROM rows WHERE journal = ? AND tbl = ? AND key = ?",
                                 (journal, r.table, r.key),
