@@ -28,14 +28,18 @@ spools one group per role, each bound for its own model's server.
 The spool never evicts: back-pressure (stop starting rollouts above a byte watermark) is the
 node's job, and `committed_bytes` is what it reads where it adds a group: `bytes` (a running
 count of the pending payload bytes, read from the file once at open and kept by each write
-after it commits: O(1), however many groups wait) plus the groups still in progress at the
-mean size of the groups spooled so far, so the groups in flight cannot carry the spool past
-the watermark when they land (before the first group lands their size is unknown: 0).
+after it commits: O(1), however many groups wait) plus the groups still in progress (a
+running count of the groups with rows in `inflight`, kept the same way) at the mean size of
+the groups spooled so far, so the groups in flight cannot carry the spool past the watermark
+when they land (before the first group lands their size is unknown: 0).
 Used from one thread of one process; sqlite's own locking makes a second opener (a restarted
-node) safe (another opener's writes are not in this one's `bytes` until it reopens).
+node) safe (another opener's writes are not in this one's running counts until it reopens).
 
-Left out: pruning the ledger journal (`jetctl.journal`) that a node installs in this file:
-its records of every change stay, so the file still grows with them.
+The ledger journal (`jetctl.journal`) a node installs in this file is pruned as the
+controller takes its records (the node's link prunes up to what each Sync reply says the
+controller holds), so it holds what the controller has not taken plus at most one batch. A
+fold is journaled as a `del` of each folded row and a `put` of its total, so the
+controller's copy (or a snapshot, after it lost its copy) holds the totals the ledger reads.
 
     spool = Spool(path)
     spool.put(group_id, payload, n_trajectories)
@@ -170,6 +174,10 @@ class Spool:
         # groups spooled and their bytes (the mean size of a group in flight)
         self._seen_groups, self._seen_bytes = int(n), int(size)
         self._n_outcomes = int(self._db.execute("SELECT COUNT(*) FROM outcomes").fetchone()[0])
+        # groups with rows in `inflight`, kept by each write that adds or removes them
+        self._inflight_groups = int(
+            self._db.execute("SELECT COUNT(DISTINCT group_id) FROM inflight").fetchone()[0]
+        )
 
     def close(self) -> None:
         self._db.close()
@@ -182,11 +190,14 @@ class Spool:
         """Record the ids of rollouts about to start (one transaction for the group)."""
         t = time.time() if now is None else now
         with self._tx():
+            had = self._in_flight(group_id)
             self._db.executemany(
                 "INSERT OR IGNORE INTO inflight (trajectory_id, group_id, started_at, model)"
                 " VALUES (?, ?, ?, ?)",
                 [(tid, group_id, t, model) for tid in trajectory_ids],
             )
+            started = not had and self._in_flight(group_id)
+        self._inflight_groups += started
 
     def label_unlabelled(self, model: str) -> int:
         """Rows written before spools named their model ('') belong to `model`, the model of
@@ -217,6 +228,7 @@ class Spool:
                 (error, t),
             ).rowcount
             self._db.execute("DELETE FROM inflight")
+        self._inflight_groups = 0
         return int(n)
 
     def drop_group(
@@ -231,7 +243,8 @@ class Spool:
                 " SELECT trajectory_id, ?, ?, ?, model FROM inflight WHERE group_id = ?",
                 (reason, error, t, group_id),
             ).rowcount
-            self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
+            ended = self._leave_inflight(group_id)
+        self._inflight_groups -= ended
         return int(n)
 
     def put(
@@ -249,19 +262,24 @@ class Spool:
         ids = ",".join(trajectory_ids or [])
         with self._tx():
             added = self._insert_pending(group_id, payload, n_trajectories, t, ids, model)
+            landed = self._leave_inflight(group_id)
         self._added(added)
+        self._inflight_groups -= landed
 
     def put_all(self, groups: list[SpooledGroup], now: float | None = None) -> None:
         """`put` for several groups in one transaction: a team's groups of one rollout batch
         (one per role) are spooled together or not at all."""
         t = time.time() if now is None else now
         added: list[int | None] = []
+        landed = 0
         with self._tx():
             for g in groups:
                 added.append(self._insert_pending(
                     g.id, g.payload, len(g.trajectory_ids), t, ",".join(g.trajectory_ids), g.model
                 ))
+                landed += self._leave_inflight(g.id)
         self._added(*added)
+        self._inflight_groups -= landed
 
     def _added(self, *sizes: int | None) -> None:
         """Groups a committed write added (None: the id was pending already)."""
@@ -281,8 +299,19 @@ class Spool:
             " next_attempt_at, trajectory_ids, model) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
             (group_id, payload, n, t, t, ids, model),
         ).rowcount
-        self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,))
         return len(payload) if inserted == 1 else None
+
+    def _in_flight(self, group_id: str) -> bool:
+        """The group has rows in `inflight` (an index lookup, in the caller's transaction)."""
+        return self._db.execute(
+            "SELECT 1 FROM inflight WHERE group_id = ? LIMIT 1", (group_id,)
+        ).fetchone() is not None
+
+    def _leave_inflight(self, group_id: str) -> int:
+        """Delete the group's `inflight` rows (in the caller's transaction); returns 1 when it
+        had any (the group is no longer in progress), else 0."""
+        n = self._db.execute("DELETE FROM inflight WHERE group_id = ?", (group_id,)).rowcount
+        return int(n > 0)
 
     def ack(
         self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
@@ -381,7 +410,12 @@ class Spool:
                 " VALUES (?, ?, ?, ?, ?)",
                 (trajectory_id, reason, error, t, model),
             )
+            row = self._db.execute(
+                "SELECT group_id FROM inflight WHERE trajectory_id = ?", (trajectory_id,)
+            ).fetchone()
             self._db.execute("DELETE FROM inflight WHERE trajectory_id = ?", (trajectory_id,))
+            ended = row is not None and not self._in_flight(str(row[0]))
+        self._inflight_groups -= ended
 
     def dead_letter(self, group_id: str, trajectory_ids: list[str], error: str) -> None:
         """Give up on a pending group that can never be sent (e.g. larger than the server's
@@ -444,14 +478,15 @@ class Spool:
     def committed_bytes(self) -> int:
         """`bytes` plus what the groups in progress will add when they land, at the mean
         size of the groups spooled so far: the back-pressure figure, checked where a group
-        is added (so the groups in flight cannot overshoot the watermark). The in-progress
-        groups are counted from `inflight`, whose rows are bounded by the rollout slots."""
+        is added (so the groups in flight cannot overshoot the watermark). O(1): both are
+        running counts (the groups in progress: those with rows in `inflight`)."""
         if self._seen_groups == 0:
             return self._bytes
-        groups = int(
-            self._db.execute("SELECT COUNT(DISTINCT group_id) FROM inflight").fetchone()[0]
-        )
-        return self._bytes + groups * self._seen_bytes // self._seen_groups
+        return self._bytes + self._inflight_groups * self._seen_bytes // self._seen_groups
+
+    def inflight_groups(self) -> int:
+        """Groups with rollouts in progress (a running count: O(1))."""
+        return self._inflight_groups
 
     def oldest_age_s(self, now: float | None = None) -> float:
         """Age of the oldest pending group in seconds (0 when empty)."""
