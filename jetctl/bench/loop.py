@@ -497,12 +497,12 @@ def _seed_ratio(loop_s: list[float | None], swarm_s: list[float | None],
     there, at 0.40x the loop's whole run) or '>1.50' (only the loop did)."""
     a = loop_s[0] if loop_s else None
     b = swarm_s[0] if swarm_s else None
-    if a is None and b is None:
-        return "-"
+    if a is None:
+        if b is None:
+            return "-"
+        return f"<{b / loop_wall[0]:.2f}" if loop_wall else "0"
     if b is None:
         return f">{swarm_wall[0] / a:.2f}" if swarm_wall else "inf"
-    if a is None:
-        return f"<{b / loop_wall[0]:.2f}" if loop_wall else "0"
     return f"{b / a:.2f}"
 
 
