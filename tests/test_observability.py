@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.rundir import RunPaths, read_json
+from jetctl.rundir import RunPaths, read_json, read_server_file
+from tests.runs import ROOT, detached_run, jetctl, step_rows
 from tests.test_grafana import exported_metrics, queried_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = """
 run:
@@ -47,16 +46,6 @@ tasks:
 """
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180, check=check)
-
-
-def _steps(run_dir: Path) -> list[dict[str, float]]:
-    path = run_dir / "metrics" / "policy.steps.jsonl"
-    return [json.loads(t) for t in path.read_text().splitlines()] if path.exists() else []
-
-
 @dataclass(frozen=True)
 class Run:
     dir: Path
@@ -67,10 +56,12 @@ class Run:
 def scrape(rd: Path) -> str:
     """/metrics of every server and client node of the live run."""
     paths = RunPaths(rd)
-    found = [read_json(p) or {} for p in (*paths.servers.glob("*.json"),
-                                          *paths.nodes.glob("*.json"))]
-    pages = [urllib.request.urlopen(f"http://{f['metrics']}/metrics", timeout=10).read().decode()
-             for f in found if f.get("metrics")]
+    servers = [read_server_file(rd, p.stem).metrics for p in paths.servers.glob("*.json")]
+    # a node's file is its last synced status (free-form: no typed reader)
+    nodes = [(read_json(p) or {}).get("metrics") for p in paths.nodes.glob("*.json")]
+    found = [m for m in (*servers, *nodes) if m]
+    pages = [urllib.request.urlopen(f"http://{m}/metrics", timeout=10).read().decode()
+             for m in found]
     assert len(pages) == 2, found  # the server and the one client node
     return "".join(pages)
 
@@ -81,11 +72,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     drain line is written only after the follower started, so seeing it means following."""
     tmp = tmp_path_factory.mktemp("obs")
     (tmp / "obs.yaml").write_text(RECIPE)
-    rd = tmp / "run"
-    jetctl("up", str(tmp / "obs.yaml"), "--detach", "--run-dir", str(rd))
-    try:
+    with detached_run(tmp / "obs.yaml", tmp / "run") as rd:
         deadline = time.monotonic() + 300
-        while len([s for s in _steps(rd) if s["stepped"]]) < 3:
+        while len([s for s in step_rows(rd) if s.stepped]) < 3:
             assert time.monotonic() < deadline, "fewer than 3 steps in 300 s"
             time.sleep(2)
         metrics = scrape(rd)
@@ -103,8 +92,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         follow.terminate()
         follow.wait(timeout=10)
         yield Run(rd, followed, metrics)
-    finally:
-        jetctl("down", "--run-dir", str(rd), check=False)
 
 
 def test_logs_follow_prints_a_line_written_after_it_started(run: Run) -> None:
@@ -125,14 +112,13 @@ def test_logs_merges_every_process_in_time_order(run: Run) -> None:
 def test_tensorboard_holds_the_runs_reward_series(run: Run) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    steps = _steps(run.dir)
+    steps = step_rows(run.dir)
     acc = EventAccumulator(str(run.dir / "trackers" / "tensorboard" / "obs-policy"))
     acc.Reload()
     series = [(e.step, e.value) for e in acc.Scalars("policy/reward/mean")]
     # every row of the step log, at its step (float32 in the event file)
-    assert series == [(int(s["step"]), pytest.approx(s["reward/mean"], abs=1e-6))
-                      for s in steps]
-    assert len([s for s in steps if s["stepped"]]) >= 3
+    assert series == [(s.step, pytest.approx(s.reward_mean, abs=1e-6)) for s in steps]
+    assert len([s for s in steps if s.stepped]) >= 3
     assert [s["trackers/failures"] for s in steps] == [0.0] * len(steps)  # none failed
 
 
