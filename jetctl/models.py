@@ -495,10 +495,11 @@ def load_model(
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-def tokenizer_files(source: str) -> dict[str, bytes]:
+def tokenizer_files(source: str | PreTrainedTokenizerBase) -> dict[str, bytes]:
     """The tokenizer's files (name -> bytes) to ship to clients; rebuild with
-    `tokenizer_from_files`."""
-    tokenizer = load_tokenizer(source, progress=False)
+    `tokenizer_from_files`. `source`: a model source, or a tokenizer already loaded (the
+    server passes the one `load_model` gave it rather than read the files again)."""
+    tokenizer = load_tokenizer(source, progress=False) if isinstance(source, str) else source
     with tempfile.TemporaryDirectory(prefix="jetctl-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
         return {

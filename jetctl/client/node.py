@@ -6,15 +6,20 @@
 
 What one node does (docs/architecture.md sections 1, 2, 6):
 
-1. Register with the task's model server (endpoint from the controller through its control
-   link, jetctl.link; a node without one reads `<run_dir>/servers/<model>.json`), retried
-   until it answers, and rebuild its tokenizer from the reply. A team task (`roles:`)
-   registers with each of its models' servers (each endpoint from the link, by model); its
-   proxy serves each role by name.
-2. Start the OpenAI-compatible proxy (timelines), /metrics, delivery, and the status sync:
+1. Start the OpenAI-compatible proxy (timelines), /metrics, delivery, and the status sync:
    about once a second its status figures and its spool's ledger records (jetctl.journal)
    go to the controller, which answers with endpoints, refused revisions and drain orders
    (a node without a link writes `<run_dir>/nodes/<name>.json` instead).
+2. Register with the task's model server (endpoint from the controller through its control
+   link, jetctl.link; a node without one reads `<run_dir>/servers/<model>.json`), retried
+   until it answers, and rebuild its tokenizer from the reply. A team task (`roles:`)
+   registers with each of its models' servers (each endpoint from the link, by model); its
+   proxy serves each role by name. The controller starts a node together with its servers,
+   so this usually waits out a server's start: meanwhile the node already runs rollouts
+   (3), whose env sessions open while the server loads; their model calls wait in the
+   proxy until every server answered (`_WaitingProxy`). The node's state is `running` from
+   then on. With `inference: local` (the engine is made from the Register reply) or a
+   benchmark's producer, the node registers first and starts its rollouts after.
 3. Produce (production.py): run the agent on the env's tasks, `group_size` rollouts per
    task, and spool each GRPO group (durable).
 4. Deliver (delivery.py): push the spooled groups until each has an ack; a group leaves the
@@ -26,6 +31,11 @@ What one node does (docs/architecture.md sections 1, 2, 6):
 This module is the node's lifecycle and status; production and delivery share only the
 spool, the counters (`NodeStats`) and the drain event. A team's node has one transport and
 one delivery per model.
+
+A rollout started before the servers answered counts its wait against its
+`rollout_timeout_s`: a server whose start outlasts that (a large model on a slow disk) times
+out the node's first rollouts, recorded as timeouts. A node drained (or refused) before
+every server answered fails the rollouts waiting for a model, each with the reason.
 
 Left out: SubmitStream; local inference for a team (the recipe refuses it).
 """
@@ -50,7 +60,7 @@ from jetctl.client.concurrency import START, Governor
 from jetctl.client.delivery import Delivery, DeliveryOptions, short_error
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.production import Producer, ProductionConfig, sleep_or
-from jetctl.client.proxy import Backend, Proxy, Sampling, ServedModel
+from jetctl.client.proxy import Backend, Proxy, ProxyError, Sampling, ServedModel
 from jetctl.client.rollout import RolloutRunner, reap_leftovers
 from jetctl.client.spool import Spool
 from jetctl.client.timeline import ChatRenderer
@@ -160,13 +170,18 @@ class ClientNode:
         self.transport = self.transports[self.model]
         self.delivery = self.deliveries[self.model]
         self.producer: Any = None  # production.Producer (or a benchmark's)
-        self.proxy: Proxy | None = None
+        self.proxy: _WaitingProxy | None = None
+        self.governor = (
+            Governor(config.task.group_size, start=START)
+            if config.task.concurrency == "auto" else None
+        )
         self.backend: Backend | None = None  # the (first) model's
         self.register_replies: dict[str, pb.RegisterReply] = {}
         self.register_reply: pb.RegisterReply | None = None  # the (first) model's
         self._draining = asyncio.Event()
         self._runner: RolloutRunner | None = None
         self._local_engine: Any = None
+        self._registering: asyncio.Task[None] | None = None  # beside the first rollouts
 
     def _fixed_endpoint(self, model: str) -> str | None:
         if model in self.config.endpoints:
@@ -207,12 +222,9 @@ class ClientNode:
             self._recover_lost()
             # Groups left by an earlier node of this name go out first.
             senders = [asyncio.create_task(d.run()) for d in self.deliveries.values()]
-            if not await self._register():
+            if not await self._start_serving():
                 return await self._finish(senders, status_task)
-            await self._start_serving()
-            self.state = "running" if not self._draining.is_set() else "draining"
-            assert self.producer is not None
-            await self.producer.run()
+            await self._produce()
             return await self._finish(senders, status_task)
         except BaseException:
             self.state = "exited"
@@ -272,7 +284,21 @@ class ClientNode:
 
     async def _register(self) -> bool:
         """Register with each model's server, retrying with backoff until it answers (False
-        if drained first, or a server refuses this node's revision)."""
+        if drained first, or a server refuses this node's revision). A drain ends the wait
+        at once: a Register waiting for a server that still loads is cancelled."""
+        registering = asyncio.ensure_future(self._register_each())
+        drained = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({registering, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (registering, drained):
+                task.cancel()
+            await asyncio.gather(registering, drained, return_exceptions=True)
+        if registering.cancelled():
+            return False
+        return registering.result()  # raises what registering raised
+
+    async def _register_each(self) -> bool:
         for model, transport in self.transports.items():
             reply = await self._register_with(model, transport)
             if reply is None:
@@ -292,9 +318,11 @@ class ClientNode:
                 )
             except (grpc.aio.AioRpcError, EndpointNotFound) as e:
                 self.state = "backoff"
-                log.warning(
-                    "register with %s failed (%s); retrying in %.1fs", model, short_error(e), delay
-                )
+                # the controller starts a node with its servers: a server that never
+                # answered yet is most likely still loading its model
+                level = logging.WARNING if transport.answered else logging.INFO
+                log.log(level, "register with %s failed (%s); retrying in %.1fs", model,
+                        short_error(e), delay)
                 await sleep_or(self._draining, delay)
                 delay = min(delay * 2, 10.0)
                 continue
@@ -305,18 +333,57 @@ class ClientNode:
             return reply
         return None
 
-    async def _start_serving(self) -> None:
-        """Tokenizers from the Register replies, the proxy, the rollout runner, the producer."""
-        if self.config.make_producer is not None:
-            self.producer = self.config.make_producer(self)
-            return
+    async def _start_serving(self) -> bool:
+        """The proxy, the rollout runner and the producer, and the registration with each
+        model's server: beside the first rollouts (`_register_and_serve`), or before them for
+        `inference: local` and a benchmark's producer. False: drained (or refused) before the
+        node registered, when it registers first."""
         cfg = self.config
+        if cfg.make_producer is not None:
+            if not await self._register():
+                return False
+            self.producer = cfg.make_producer(self)
+            self._set_running()
+            return True
+        sampling = cfg.task.sampling
+        self.proxy = _WaitingProxy(
+            Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens)
+        )
+        await self.proxy.start()
+        if cfg.task.inference == "local":  # its engine is made from the Register reply
+            if not await self._register():
+                return False
+            await self._serve_models()
+            self._start_producer()
+            self._set_running()
+            return True
+        self._start_producer()
+        self._registering = asyncio.create_task(self._register_and_serve())
+        return True
+
+    async def _register_and_serve(self) -> None:
+        """Register with each model's server, then let the proxy answer the model calls
+        that waited meanwhile; a node drained (or refused) first fails them instead."""
+        assert self.proxy is not None
+        if not await self._register():
+            self.proxy.refuse(
+                f"node {self.config.name} stopped before the server of each of its models "
+                f"({', '.join(self.models)}) answered Register"
+            )
+            return
+        await self._serve_models()
+        self._set_running()
+
+    def _set_running(self) -> None:
+        self.state = "running" if not self._draining.is_set() else "draining"
+
+    async def _serve_models(self) -> None:
+        """Tokenizers from the Register replies and each model's backend (its server, or the
+        local engine): the proxy serves each model (or role) from now on."""
+        cfg = self.config
+        assert self.proxy is not None
         backends: dict[str, Backend] = {}
         renderers: dict[str, ChatRenderer] = {}
-        governor = (
-            Governor(cfg.task.group_size, start=START) if cfg.task.concurrency == "auto"
-            else None
-        )
         for model, reply in self.register_replies.items():
             renderers[model] = await _renderer(reply)
             if cfg.task.inference == "local":  # one model: the recipe refuses it for teams
@@ -328,7 +395,7 @@ class ClientNode:
                 self._local_engine = engine
                 backends[model] = engine
             else:
-                backends[model] = ServerBackend(self.transports[model], governor)
+                backends[model] = ServerBackend(self.transports[model], self.governor)
         self.backend = backends[self.model]
 
         def served(name: str, model: str, role: str) -> ServedModel:
@@ -339,15 +406,16 @@ class ClientNode:
             names = {r: served(r, m, r) for r, m in cfg.task.role_models.items()}
         else:
             names = {self.model: served(self.model, self.model, DEFAULT_ROLE)}
-        sampling = cfg.task.sampling
-        self.proxy = Proxy(
-            names,
-            default_model=None if self.team else self.model,
-            sampling=Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens),
-        )
-        await self.proxy.start()
+        self.proxy.serve(names, default_model=None if self.team else self.model)
+
+    def _start_producer(self) -> None:
+        """The rollout runner (its forkserver preloads the env's and agent's modules) and
+        the producer, which starts rollouts at once."""
+        cfg = self.config
+        assert self.proxy is not None
         env_module = cfg.task.env.partition(":")[0]
         agent_module = cfg.agent_spec.partition(":")[0]
+        governor = self.governor
         self._runner = RolloutRunner(
             [env_module, agent_module],
             max_workers=governor.ceiling if governor is not None else int(cfg.task.concurrency),
@@ -365,6 +433,27 @@ class ClientNode:
             waste=self.waste,
         )
         self.metrics.concurrency.set(self.producer.slots.limit)
+
+    async def _produce(self) -> None:
+        """Run the producer until it stops (drained, or `max_groups`). A registration
+        beside it that raises ends the node with that error, as a failed start always did;
+        one still under way when the producer stops is cancelled."""
+        assert self.producer is not None
+        registering = self._registering
+        if registering is None:
+            await self.producer.run()
+            return
+        producing = asyncio.ensure_future(self.producer.run())
+        try:
+            await asyncio.wait({producing, registering}, return_when=asyncio.FIRST_COMPLETED)
+            if registering.done():
+                registering.result()  # raises what the registration raised
+            await producing
+        finally:
+            left = [t for t in (producing, registering) if not t.done()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
     def _refused(self, refused: Iterable[str]) -> bool:
         """A plain revision, or `<task>/<revision>` (swap-clients --drop-old)."""
@@ -455,6 +544,36 @@ class ClientNode:
 
     def _write_status(self) -> None:
         write_json_atomic(self.paths.node_file(self.config.name), self.status())
+
+
+class _WaitingProxy(Proxy):
+    """The node's proxy, listening before the node registered: a rollout's model call
+    waits here until `serve` gives the proxy its models (their tokenizers come in the
+    Register replies), or gets a 503 once `refuse` says they will not come."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        super().__init__({}, default_model=None, sampling=sampling)
+        self._decided = asyncio.Event()
+        self._refused = ""  # why no model will be served ('': served, or not decided yet)
+
+    def serve(self, models: dict[str, ServedModel], default_model: str | None) -> None:
+        if default_model is not None and default_model not in models:
+            raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
+        self.models.update(models)
+        self.default_model = default_model
+        self._decided.set()
+
+    def refuse(self, why: str) -> None:
+        if not self._decided.is_set():
+            self._refused = why
+            self._decided.set()
+
+    async def complete(self, rollout_id: str, body: Any) -> dict[str, Any]:
+        await self._decided.wait()
+        if self._refused:
+            raise ProxyError(503, self._refused, type_="server_error",
+                             code="backend_unavailable")
+        return await super().complete(rollout_id, body)
 
 
 def _link_endpoint(link: ControlLink, model: str) -> Callable[[], str]:

@@ -4,6 +4,11 @@
   from `<run_dir>/servers/<model>.json` for a node without one, and is looked up again
   whenever a call fails with UNAVAILABLE, since the controller may restart the server (same
   port usually, another host:port possibly).
+* `register` waits for a server that does not listen yet (gRPC `wait_for_ready`, within
+  its call timeout, then retried like `submit`): the controller starts a node together with
+  its servers, so a node's first Register usually waits out a server loading its model. The
+  channel tries to connect again at most `RECONNECT_MAX_MS` apart, so a server that starts
+  listening is found within about a second.
 * Every call carries the run's bearer token (`jetctl.auth.bearer`) and a deadline.
 * Keepalive pings every 10 s (5 s timeout, also without calls) detect a dead link; the
   server must permit that ping rate.
@@ -71,6 +76,9 @@ BOOTSTRAP_MESSAGE_BYTES = 64 * 1024 * 1024
 PULL_WEIGHTS = "/jetctl.swarm.v1.Swarm/PullWeights"
 SUBMIT = "/jetctl.swarm.v1.Swarm/Submit"
 _SUBMIT_GROUPS_TAG = b"\x0a"  # SubmitRequest.groups: field 1, wire type 2 (length-delimited)
+# the longest wait between a channel's connection attempts: a connect to a server that is
+# not up yet costs a refused SYN, and a node waiting out a server's start finds it this soon
+RECONNECT_MAX_MS = 1_000
 
 
 def submit_request_bytes(groups: Sequence[pb.TrajectoryGroup | bytes]) -> bytes:
@@ -275,6 +283,7 @@ class SwarmTransport:
         self.max_message_bytes = BOOTSTRAP_MESSAGE_BYTES
         self.endpoint: str | None = None
         self.reachable = False
+        self.answered = False  # the server answered a call once (it was up at some point)
         self.busy_waits = 0  # Generates refused by a busy engine, waited out and made again
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SwarmStub | None = None
@@ -293,7 +302,7 @@ class SwarmTransport:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             # reconnect quickly after a server restart
             ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 5_000),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
         ]
 
     def _current_endpoint(self) -> str:
@@ -363,6 +372,7 @@ class SwarmTransport:
             self.reachable = exc.code() not in RETRYABLE
         elif isinstance(exc, EndpointNotFound):
             self.reachable = False
+        self.answered = self.answered or self.reachable
 
     async def _before_retry(self) -> None:
         """The server may have restarted elsewhere: re-read its endpoint file."""
@@ -374,14 +384,16 @@ class SwarmTransport:
     # ------------------------------------------------------------------ RPCs
 
     async def register(self, client_id: str, task: str, revision: str) -> pb.RegisterReply:
-        """Say who we are; adopt the server's message cap. Retried like `submit`."""
+        """Say who we are; adopt the server's message cap. Each call waits for a server that
+        does not listen yet (`wait_for_ready`, up to `call_timeout_s`); retried like `submit`."""
         request = pb.RegisterRequest(
             client_id=client_id, task=task, client_revision=revision, model=self.model
         )
 
         async def call(stub: pb_grpc.SwarmStub) -> pb.RegisterReply:
             return await stub.Register(
-                request, metadata=self._metadata(), timeout=self.call_timeout_s
+                request, metadata=self._metadata(), timeout=self.call_timeout_s,
+                wait_for_ready=True,
             )
 
         reply: pb.RegisterReply = await self._retrying(call)

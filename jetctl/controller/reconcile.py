@@ -3,8 +3,16 @@
 `Reconciler.tick()` runs about once a second in the controller's main loop: a node that died
 is restarted after its backoff (doubling up to `run.restart_backoff_max_s`, reset once it
 stayed up `stable_s`); a server is `running` once it answers gRPC health and synced with the
-controller since its start; a task's clients start once their model's server was ready once.
-Nodes the controller does not start (a client that joined by hand, a server with runtime:
+controller since its start. A task's clients start in the same pass as the servers, not after
+them: a node joins the controller, opens its env sessions and starts rollouts while its
+model's server loads (10-20 s of a CPU server's start), and its rollouts' model calls wait
+until the server answers Register (jetctl/client/node.py), so the two starts overlap. The
+process and docker runtimes need nothing of a server before a client starts: its endpoint
+(and a client container's gateway port) is fixed before either starts, and a server elsewhere
+(ray, external) is looked up through the controller until it syncs. A task on `runtime: ray`
+keeps the old order (its clients start once their models' servers were ready once): its
+nodes' placement groups must not take the cluster resources a server still waits for. Nodes
+the controller does not start (a client that joined by hand, a server with runtime:
 external) are followed through their syncs only.
 
 Every node it starts gets the controller's address, a token and the TLS mode in its
@@ -507,13 +515,18 @@ class Reconciler:
             elif node.state == "restarting" and now >= node.next_start_at:
                 starts.append(self._begin_start(node, restart=True))
             elif node.state == "pending" and (
-                node.kind == "server" or self._servers_were_ready(node)
+                node.kind == "server" or node.runtime != "ray" or self._servers_were_ready(node)
             ):
+                # a client waits for its servers itself (its Register and its rollouts' model
+                # calls wait), so it starts with them and its start overlaps theirs
                 starts.append(self._begin_start(node, restart=False))
         return starts
 
     def _servers_were_ready(self, node: Node) -> bool:
-        """A client starts once each model its task trains (a team: several) was ready once."""
+        """A ray task's client starts once each model its task trains (a team: several) was
+        ready once: on a cluster its nodes' placement groups could otherwise take the
+        resources a server's placement group still waits for, and the clients would wait for
+        a server that cannot be placed."""
         models = self.recipe.tasks[node.task].models if node.task in self.recipe.tasks else []
         return all(m in self.state.ever_ready for m in models or [node.model])
 

@@ -11,6 +11,13 @@ complete checkpoint, reload accepted-but-untrained groups, serve gRPC (+ health 
 reflection) and Prometheus /metrics, train in a thread (and run the tasks' in-run evals
 after due checkpoints, jetctl/server/evals.py). SIGTERM: stop accepting (health
 NOT_SERVING), finish the current step, checkpoint, exit 0.
+
+Each phase of the start is logged as it begins (and written to `phase.json` for the live
+view); once serving, one line says where the start's time went, from the process's start:
+`started in <s>: before serve() <s> (interpreter, imports, joining), loading <model> <s>,
+restoring the last checkpoint <s>, ..., preparing the hf engine <s>, ...`. The controller
+starts the task's client nodes at the same time (jetctl/controller/reconcile.py), so a
+client's rollouts run while these phases do.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from jetctl.faults import Faults, drop_ack_interceptor
 from jetctl.journal import STORE_TABLES, Journal
 from jetctl.link import ControlLink, Identity
 from jetctl.net import LISTEN_ALSO_ENV, advertised_host, listen_also
+from jetctl.proctree import process_create_time
 from jetctl.recipe import LimitsConfig, ModelConfig
 from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
@@ -126,9 +134,9 @@ async def serve(opts: ServerOptions) -> int:
     )
 
     t0 = time.monotonic()
-    check_devices(opts.name, cfg)
     phase = StartingPhase(paths.server_phase(opts.name))
     phase(f"loading {cfg.model}")
+    check_devices(opts.name, cfg)
     # a builtin built on first use (SmolLM2: download, dequantize, save) reports each step
     model, tokenizer = load_trainable(cfg, progress=phase)
     metrics = ServerMetrics()
@@ -155,6 +163,7 @@ async def serve(opts: ServerOptions) -> int:
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    phase(f"preparing the {cfg.engine} engine")
     serving = make_engine(
         cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
         version=lambda: trainer.version,
@@ -178,6 +187,7 @@ async def serve(opts: ServerOptions) -> int:
         trainer.extra_scalars = evals.joined(trainer.extra_scalars)
         evals.start()
     vocab = int(model.get_input_embeddings().weight.shape[0])
+    phase("preparing the service")
     service = SwarmService(
         model_name=opts.name,
         model_source=cfg.model,
@@ -190,7 +200,7 @@ async def serve(opts: ServerOptions) -> int:
         max_message_bytes=cfg.limits.max_message_bytes,
         engine=engine, store=store, trainer=trainer, metrics=metrics,
         groups_per_step=cfg.train.groups_per_step,
-        tokenizer_files=tokenizer_files(cfg.model),
+        tokenizer_files=tokenizer_files(tokenizer),  # the loaded one: not read again
         chat_template=tokenizer.chat_template or "",
         eos_token_ids=eos_ids,
         max_queued_generates=cfg.limits.max_queued_generates,
@@ -236,6 +246,7 @@ async def serve(opts: ServerOptions) -> int:
     log.info("serving %s on %s:%d, advertised as %s (metrics :%d)", opts.name, cfg.host, port,
              endpoint, metrics_port)
     phase("serving")
+    log.info("%s", phase.summary())
     who = Identity(name=f"server-{opts.name}", kind="server", model=opts.name)
     stop = asyncio.Event()
 
@@ -337,16 +348,39 @@ def check_devices(name: str, cfg: ModelConfig) -> None:
 class StartingPhase:
     """What the server is doing while it starts, for the live view: each phase is logged and
     written to `server-<model>/phase.json` (`{"phase", "phase_since", "pid"}`), which the
-    controller shows for a server that does not answer yet."""
+    controller shows for a server that does not answer yet. Each phase's seconds are kept
+    for `summary`, the start's account in the log."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.began = time.time()  # the first phase: the time before it is the process's
+        self.seconds: list[tuple[str, float]] = []  # (phase, seconds) of each ended phase
+        self._current: tuple[str, float] | None = None  # (phase, its start)
 
     def __call__(self, phase: str) -> None:
+        now = time.time()
+        if self._current is not None:
+            self.seconds.append((self._current[0], now - self._current[1]))
+        self._current = (phase, now)
         log.info("%s", phase)
-        write_json_atomic(
-            self.path, {"phase": phase, "phase_since": time.time(), "pid": os.getpid()}
-        )
+        write_json_atomic(self.path, {"phase": phase, "phase_since": now, "pid": os.getpid()})
+
+    def summary(self) -> str:
+        """Where the start's time went: from the process's start to the first phase (the
+        interpreter, the imports, joining the controller), then each phase up to now."""
+        now = time.time()
+        parts: list[str] = []
+        total = now - self.began
+        created = process_create_time(os.getpid())
+        if created:
+            total = now - created
+            parts.append(f"before serve() {self.began - created:.1f}s "
+                         "(interpreter, imports, joining)")
+        done = [*self.seconds]
+        if self._current is not None and self._current[0] != "serving":
+            done.append((self._current[0], now - self._current[1]))
+        parts += [f"{name} {seconds:.1f}s" for name, seconds in done]
+        return f"started in {total:.1f}s: " + ", ".join(parts)
 
 
 def _stalled(train_since: float | None, generate_since: float | None, limit_s: float) -> str:
