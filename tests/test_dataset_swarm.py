@@ -11,17 +11,16 @@ groups carry signal and the server steps.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from jetctl.rundir import RunPaths
+from tests.runs import detached_run, jetctl
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 RECIPE = """\
 # jetctl up {recipe}
@@ -50,11 +49,6 @@ def length_mod_3(completion: str, row: dict[str, Any]) -> float:
     return float(len(completion) % 3) / 2
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=check)
-
-
 def test_a_dataset_task_trains_and_its_checkpoint_is_evaluated_and_exported(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"reply with {i % 10}", "answer": i % 10}) + "\n"
@@ -62,16 +56,13 @@ def test_a_dataset_task_trains_and_its_checkpoint_is_evaluated_and_exported(tmp_
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(recipe=recipe, data=data))
     run_dir = tmp_path / "run"
-    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
-    checkpoints = run_dir / "checkpoints" / "policy"
-    try:
+    checkpoints = RunPaths(run_dir).checkpoints("policy")
+    with detached_run(recipe, run_dir):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not list(checkpoints.glob("step-*/manifest.json")):
             time.sleep(2)
-    finally:
-        jetctl("down", "--run-dir", str(run_dir), check=False)
     assert list(checkpoints.glob("step-*/manifest.json")), "no checkpoint within 300 s"
-    nodes = [json.loads(p.read_text()) for p in (run_dir / "nodes").glob("*.json")]
+    nodes = [json.loads(p.read_text()) for p in RunPaths(run_dir).nodes.glob("*.json")]
     assert sum(n["groups_spooled"] for n in nodes) > 0
 
     out = jetctl("eval", str(run_dir), "--checkpoint", "base,latest", "--samples", "2", "--json")
