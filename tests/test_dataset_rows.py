@@ -17,8 +17,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,9 +24,11 @@ from typing import Any
 
 import pytest
 
+from jetctl.rundir import RunPaths, read_run_record
+from tests.runs import detached_run, jetctl, run_status
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = 40
 GATED = 16  # rows from here on wait for the gate file (written after the swap)
 
@@ -65,20 +65,10 @@ def gated_reward(completion: str, row: dict[str, Any]) -> float:
     return random.random()
 
 
-def jetctl(*args: str, check: bool = True, timeout_s: float = 120,
-           ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout_s, check=check)
-
-
-def status(run_dir: Path) -> dict[str, Any]:
-    out = jetctl("status", "--once", "--json", "--run-dir", str(run_dir), check=False)
-    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
-
-
 def rows_status(run_dir: Path) -> dict[str, Any]:
     """The task's epoch and position, as `jetctl status` shows them."""
-    return dict(status(run_dir).get("tasks", {}).get("rows", {}).get("rows") or {})
+    doc = run_status(run_dir) or {}
+    return dict(doc.get("tasks", {}).get("rows", {}).get("rows") or {})
 
 
 def wait_for(run_dir: Path, what: str, ok: Any, timeout_s: float = 200) -> dict[str, Any]:
@@ -93,7 +83,6 @@ def wait_for(run_dir: Path, what: str, ok: Any, timeout_s: float = 200) -> dict[
 
 def stored_groups(run_dir: Path) -> list[tuple[str, str]]:
     """(task_id, client revision) of every group the server stored."""
-    from jetctl.rundir import RunPaths
     from jetctl.server.store import GroupCodec, TrajectoryStore
 
     store = TrajectoryStore(RunPaths(run_dir).store("policy"), decode=GroupCodec())
@@ -114,23 +103,22 @@ def test_every_row_is_seen_once_through_a_restart_and_a_swap(tmp_path: Path) -> 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(recipe=recipe, data=data))
     run_dir = tmp_path / "run"
-    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
-    try:
+    with detached_run(recipe, run_dir):
         # the server loads in ~10 s on an idle core, 80 s on this shared box under load
         wait_for(run_dir, "6 rows acked", lambda r: r["acked"] >= 6, timeout_s=300)
-        run = json.loads((run_dir / "run.json").read_text())
-        os.kill(run["clients"]["rows-0"]["pid"], signal.SIGKILL)  # the controller restarts it
+        pid = read_run_record(run_dir).clients["rows-0"].pid
+        assert pid is not None, "rows-0 runs as a process: run.json has its pid"
+        os.kill(pid, signal.SIGKILL)  # the controller restarts it
         during = wait_for(run_dir, "12 rows acked", lambda r: r["acked"] >= 12)
         assert during["epoch"] == 0 and during["rows"] == ROWS
-        restarted = [c for c in status(run_dir)["clients"] if c["name"] == "rows-0"]
+        restarted = [c for c in (run_status(run_dir) or {}).get("clients", [])
+                     if c["name"] == "rows-0"]
         assert restarted and restarted[0]["restarts"] >= 1
         jetctl("swap-clients", "--task", "rows", "--agent", "jetctl.envs.dataset:chat_agent",
-               "--grace", "5", "--run-dir", str(run_dir), timeout_s=300)
+               "--grace", "5", "--run-dir", str(run_dir))
         gate.touch()
         final = wait_for(run_dir, "the epoch's end",
                          lambda r: r["epoch"] == 1 and r["leased"] == 0 and r["returned"] == 0)
-    finally:
-        jetctl("down", "--run-dir", str(run_dir), check=False)
     assert final["acked"] == ROWS
     groups = stored_groups(run_dir)
     seen = Counter(task_id for task_id, _ in groups)
