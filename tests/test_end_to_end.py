@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+from jetctl.rundir import RunPaths
+from tests.runs import detached_run, run_status, step_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 RECIPE = """
 run:
@@ -54,30 +53,19 @@ tasks:
 """
 
 
-def jetctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jetctl.cli.main", *args], cwd=ROOT, capture_output=True,
-        text=True, timeout=180, check=check,
-        env={**os.environ, "JETCTL_SLOW_AGENT_LAG": "3"},
-    )
-
-
-def status(run_dir: Path) -> dict[str, Any]:
-    out = jetctl("status", "--run-dir", str(run_dir), "--once", "--json")
-    return json.loads(out.stdout)
-
-
 def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     recipe = tmp_path / "e2e.yaml"
     recipe.write_text(RECIPE)
-    jetctl("up", str(recipe), "--detach", "--run-dir", str(run_dir))
+    env = {**os.environ, "JETCTL_SLOW_AGENT_LAG": "3"}  # the slow agent's lag, in its nodes
     versions: list[int] = []
-    try:
+    with detached_run(recipe, run_dir, env=env):
         deadline = time.monotonic() + 900
         doc: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            doc = status(run_dir)
+            live = run_status(run_dir, env=env)
+            assert live is not None, "jetctl status --once --json failed while the run was up"
+            doc = live
             server = doc["servers"][0]
             versions.append(server["version"] or 0)
             if versions[-1] >= 60 and server["rejected"].get("stale", 0) > 0:
@@ -95,18 +83,16 @@ def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
             assert c["server_reachable"] is True
         assert clients["slow-0"]["acks"].get("stale", 0) > 0, "slow groups are refused as stale"
         assert server["rejected"]["stale"] > 0
-    finally:
-        jetctl("down", "--run-dir", str(run_dir), check=False)
 
-    steps = [json.loads(line) for line in (run_dir / "metrics" / "policy.steps.jsonl").open()]
-    rewards = [s["reward/mean"] for s in steps if s["stepped"]]
+    steps = step_rows(run_dir)
+    rewards = [s.reward_mean for s in steps if s.stepped]
     first, last = rewards[:10], rewards[-10:]
     # the fast task goes from ~0 to ~1 in 60 steps (FACTS: tiny learns it in 43-101 steps)
     assert sum(last) / 10 > sum(first) / 10 + 0.3, (first, last)
-    assert (run_dir / "reward_curve.png").stat().st_size > 0
+    assert RunPaths(run_dir).reward_curve_png.stat().st_size > 0
 
     # the ledger after the run stopped, read from the files the nodes leave behind
-    nodes = {p.stem: json.loads(p.read_text()) for p in (run_dir / "nodes").glob("*.json")}
+    nodes = {p.stem: json.loads(p.read_text()) for p in RunPaths(run_dir).nodes.glob("*.json")}
     acked: dict[str, int] = {}
     for name, node in nodes.items():
         in_flight = node["spool_depth"]
@@ -125,13 +111,13 @@ def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
     # step are in no row yet: they are the store's groups at the final version beyond the
     # last row's batch
     last = steps[-1]
-    after_last = final["trained_at"].get(int(last["step"]), (0, 0))
-    trailing = (after_last[0] - int(last["groups"]), after_last[1] - int(last["trajectories"]))
+    after_last = final["trained_at"].get(last.step, (0, 0))
+    trailing = (after_last[0] - last.groups, after_last[1] - last.trajectories)
     assert trailing[0] >= 0 and trailing[1] >= 0, trailing
-    assert sum(int(s["groups"]) + int(s["groups/skipped"]) for s in steps) + trailing[0] == (
+    assert sum(s.groups + s.groups_skipped for s in steps) + trailing[0] == (
         final["trained_groups"])
     assert sum(
-        int(s["trajectories"]) + int(s["trajectories/skipped"]) for s in steps
+        s.trajectories + s.trajectories_skipped for s in steps
     ) + trailing[1] == final["trained_trajectories"]
     # and what the clients were told (accepted) is what the store holds as accepted, or refused
     # afterwards by the trainer's batch-time staleness gate (a group that waited in the buffer
@@ -145,7 +131,7 @@ def _server_counts(run_dir: Path) -> dict[str, Any]:
     """Figures straight from the stopped server's store."""
     import sqlite3
 
-    db = sqlite3.connect(run_dir / "server-policy" / "store.sqlite")
+    db = sqlite3.connect(RunPaths(run_dir).store("policy"))
     rows = db.execute(
         "SELECT state, reason, COUNT(*), SUM(n_traj) FROM groups GROUP BY state, reason"
     ).fetchall()
