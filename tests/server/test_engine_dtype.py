@@ -4,14 +4,22 @@ faster on a CPU with avx512_bf16 and 2.7x slower on an AVX2-only one."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from jetctl.recipe import GenerationConfig, ModelConfig
-from jetctl.server.engines.dtype import BF16_GAIN, pick_generation_dtype, probe_matmul
+from jetctl.server.engines.dtype import (
+    BF16_GAIN,
+    PROBE_CACHE,
+    _cpu_name,
+    pick_generation_dtype,
+    probe_matmul,
+)
 from tests.server.test_engines import serve
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -94,3 +102,29 @@ def test_the_probe_times_a_product_of_the_given_matrix() -> None:
     weight = torch.randn(4096, 256)
     assert 0 < probe_matmul(weight, torch.float32) < 1.0
     assert 0 < probe_matmul(weight, torch.bfloat16) < 5.0
+
+
+def test_the_probe_is_kept_per_cpu_and_a_later_start_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _cpu_name():
+        pytest.skip("no CPU model name in /proc/cpuinfo here: nothing is kept")
+    monkeypatch.setenv("JETCTL_CACHE", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 32))
+    cfg = _cfg(generation=GenerationConfig(dtype="auto"))
+    first = resolve_generation_dtype(cfg, model, 1)
+    assert "earlier start" not in first.why, "the first start measures"
+    path = tmp_path / PROBE_CACHE
+    kept = json.loads(path.read_text())
+    ((key, _),) = kept.items()
+    assert _cpu_name() in key and f"torch {torch.__version__}" in key and "32x4" in key
+    # a later start takes the kept figures, not a new measurement: with bfloat16 made
+    # clearly faster in the file, it picks bfloat16 and says where the figures came from
+    kept[key] = {"float32_s": 0.010, "bfloat16_s": 0.001}
+    path.write_text(json.dumps(kept))
+    later = resolve_generation_dtype(cfg, model, 1)
+    assert later.dtype == "bfloat16" and "measured at an earlier start" in later.why
+    assert "took 1 ms in bfloat16 against 10 ms in float32" in later.why
+    # other threads are another key: measured again, and kept beside the first
+    resolve_generation_dtype(cfg, model, 2)
+    assert len(json.loads(path.read_text())) == 2
