@@ -32,9 +32,11 @@ This module is the node's lifecycle and status; production and delivery share on
 spool, the counters (`NodeStats`) and the drain event. A team's node has one transport and
 one delivery per model.
 
-A rollout started before the servers answered counts its wait against its
-`rollout_timeout_s`: a server whose start outlasts that (a large model on a slow disk) times
-out the node's first rollouts, recorded as timeouts. A node drained (or refused) before
+A rollout started before the servers answered does not count that wait against its
+`rollout_timeout_s` (`_WaitingProxy.held_s`, `RolloutRunner.run(held=...)`): a server slow
+to start (a large model on a slow disk) delays the node's first rollouts, it does not time
+them out; an env stuck meanwhile is killed once the timeout ran after the servers answered.
+A node drained (or refused) before
 every server answered fails the rollouts waiting for a model, each with the reason.
 
 Left out: SubmitStream; local inference for a team (the recipe refuses it).
@@ -554,18 +556,27 @@ class _WaitingProxy(Proxy):
     def __init__(self, sampling: Sampling) -> None:
         super().__init__({}, default_model=None, sampling=sampling)
         self._decided = asyncio.Event()
+        self._decided_at: float | None = None  # time.monotonic() of serve / refuse
         self._refused = ""  # why no model will be served ('': served, or not decided yet)
+
+    def held_s(self, since: float) -> float:
+        """Seconds after `since` (time.monotonic()) that calls were held here for a server
+        still starting: a rollout's timeout does not count them (RolloutRunner.run)."""
+        until = time.monotonic() if self._decided_at is None else self._decided_at
+        return max(0.0, until - since)
 
     def serve(self, models: dict[str, ServedModel], default_model: str | None) -> None:
         if default_model is not None and default_model not in models:
             raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
         self.models.update(models)
         self.default_model = default_model
+        self._decided_at = time.monotonic()
         self._decided.set()
 
     def refuse(self, why: str) -> None:
         if not self._decided.is_set():
             self._refused = why
+            self._decided_at = time.monotonic()
             self._decided.set()
 
     async def complete(self, rollout_id: str, body: Any) -> dict[str, Any]:

@@ -311,10 +311,14 @@ class RolloutRunner:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def run(
-        self, spec: RolloutSpec, timeout_s: float, reported: Reported | None = None
+        self, spec: RolloutSpec, timeout_s: float, reported: Reported | None = None,
+        held: Callable[[float], float] | None = None,
     ) -> RolloutResult:
         """Run one rollout; `reported` (the caller's) holds what it reported so far, and once
-        it ends its result's spend and timings, even when it is cancelled."""
+        it ends its result's spend and timings, even when it is cancelled. `held(t0)`: the
+        seconds since `t0` (time.monotonic()) that the rollout's model calls were held for a
+        server still starting (the node's proxy before Register); they do not count against
+        `timeout_s`."""
         loop = asyncio.get_running_loop()
         reported = Reported() if reported is None else reported
         reader, writer = self._ctx.Pipe(duplex=False)
@@ -357,9 +361,17 @@ class RolloutRunner:
         loop.add_reader(proc.sentinel, ended)
         timed_out = False
         try:
-            await asyncio.wait_for(done, timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
-        except asyncio.TimeoutError:
-            timed_out = True
+            while not done.done():  # the deadline moves on while calls were held for a server
+                allowed = timeout_s + (held(t0) if held is not None else 0.0)
+                left = allowed - (time.monotonic() - t0)
+                if left <= 0:
+                    timed_out = True
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(done), timeout=left)
+                    break
+                except asyncio.TimeoutError:
+                    continue
         except asyncio.CancelledError:
             loop.remove_reader(fd)
             kill_group(proc.pid)

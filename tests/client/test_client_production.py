@@ -53,7 +53,7 @@ class FailingRunner:
         self.cancelled = 0
 
     async def run(self, spec: RolloutSpec, timeout_s: float, reported: object = None,
-                  ) -> RolloutResult:
+                  held: object = None) -> RolloutResult:
         call, self.calls = self.calls, self.calls + 1
         if call == self.fail_call:
             await asyncio.sleep(0.05)

@@ -46,7 +46,7 @@ class ScriptedRunner:
         self.calls = 0
 
     async def run(self, spec: RolloutSpec, timeout_s: float, reported: object = None,
-                  ) -> RolloutResult:
+                  held: object = None) -> RolloutResult:
         i, self.calls = self.calls, self.calls + 1
         return RESULTS[i]
 

@@ -118,7 +118,7 @@ class RaisingRunner:
         self.calls = 0
 
     async def run(self, spec: RolloutSpec, timeout_s: float,
-                  reported: Reported | None = None) -> RolloutResult:
+                  reported: Reported | None = None, held: object = None) -> RolloutResult:
         assert reported is not None
         call, self.calls = self.calls, self.calls + 1
         if call == 1:
