@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jetctl.client.rollout import RolloutSpec, child_main
+from jetctl.client.rollout import Reported, RolloutSpec, child_main
 from jetctl.env import Task
 from jetctl.envs.dataset import (
     DatasetEnv,
@@ -154,6 +154,8 @@ def rollout(env_args: dict[str, Any], task: Task) -> Any:
     proc.start()
     writer.close()
     result = reader.recv()
+    while isinstance(result, Reported):  # the spend reported so far comes before the result
+        result = reader.recv()
     proc.join(30)
     return result
 

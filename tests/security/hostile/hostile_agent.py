@@ -97,7 +97,9 @@ def _server_calls(endpoint: str, token: str) -> dict[str, str]:
 
     with _channel(endpoint) as ch:
         try:
-            pb_grpc.SwarmStub(ch).Status(pb.StatusRequest(), metadata=bearer(token), timeout=5)
+            # the node starts with its server, so the server may still be loading: wait for it
+            pb_grpc.SwarmStub(ch).Status(pb.StatusRequest(), metadata=bearer(token),
+                                         timeout=120, wait_for_ready=True)
             return {"Status": "OK"}
         except grpc.RpcError as e:
             return {"Status": e.code().name}
@@ -155,7 +157,7 @@ def _calls_in_a_process(control: str, token: str, me: str, server: str) -> dict[
               "print(json.dumps({'control': h._control_calls(*sys.argv[1:4]), "
               "'server': h._server_calls(sys.argv[4], sys.argv[2])}))")
     done = subprocess.run([sys.executable, "-c", script, control, token, me, server],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=240, check=False)
     if done.returncode != 0:
         return {"control": {"error": done.stderr[-1000:]}, "server": {}}
     calls: dict[str, Any] = json.loads(done.stdout)
