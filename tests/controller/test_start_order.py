@@ -29,6 +29,7 @@ from jetctl.models import tokenizer_from_files
 from jetctl.recipe import TaskConfig, parse_recipe
 from jetctl.rundir import RunPaths
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server, tiny_tokenizer_files
+from tests.controller.controller_fakes import wait_for
 from tests.runs import detached_run, step_rows
 
 FAKES = "tests.client.client_fakes"
@@ -184,10 +185,8 @@ def test_up_starts_the_clients_with_the_server_and_the_run_trains(tmp_path: Path
     recipe.write_text(RECIPE)
     run_dir = tmp_path / "run"
     with detached_run(recipe, run_dir):
-        deadline = time.monotonic() + 180
-        while len(step_rows(run_dir)) < 2 and time.monotonic() < deadline:
-            time.sleep(1.0)
-        assert len(step_rows(run_dir)) >= 2, "the run trained two steps"
+        wait_for(lambda: len(step_rows(run_dir)) >= 2, timeout_s=180,
+                 what="the run to train two steps")
 
     paths = RunPaths(run_dir)
     lines = paths.controller_log.read_text().splitlines()
