@@ -207,9 +207,11 @@ def test_controller_restarts_a_dead_container_and_down_leaves_none(
         assert r.stop(grace_s=10) == "test"
     assert containers_of(docker_client, run_dir) == [], "no container outlives the run"
     ev = events(run_dir)
-    assert {n for _, n, w, _ in ev if w == "sigterm"} >= {"arith-0", "arith-1"}, (
-        "drained, not killed"
-    )
+    # drained, not killed: each node either took SIGTERM or left on the drain its sync was told
+    # first (whichever reached it first), and exited on its own
+    drained = {n for _, n, w, _ in ev if w in ("sigterm", "drain-asked")}
+    assert drained >= {"arith-0", "arith-1"}, ev
+    assert {n for _, n, w, _ in ev if w == "exit"} >= {"arith-0", "arith-1"}, ev
 
 
 def test_up_prunes_exited_containers_and_refuses_or_adopts_running_ones(
