@@ -32,9 +32,12 @@ wall seconds). A rollout's process reports its spend as it happens (each `sessio
 with its env timings so far, one small message to the node: jetctl/client/rollout.py), so a
 rollout killed for its timeout, or one that died without a result, keeps the spend it
 reported and its env seconds; its CPU seconds stay unknown. A failed rollout's spend counts
-too. The tally lives in a small JSON file beside the node's spool (`RunPaths.node_waste`,
-replaced atomically on each change) and is reloaded when the node starts, so a node restarted
-under the same name goes on from its predecessor's tally. The controller keeps each node's
+too. The tally lives in the node's spool (its `waste` table, jetctl/client/spool.py) and is
+read back when the node starts, so a node restarted under the same name goes on from its
+predecessor's tally. Where the spool itself records the end of trajectories (a refused ack,
+a dead letter, rollouts a killed predecessor lost) their waste is added in that same
+transaction, so a node killed in between cannot record one without the other; a failed or
+dropped rollout's waste is added right after its `dropped` row, in a second transaction. The controller keeps each node's
 last status in `nodes/<name>.json`; `client_waste` sums them per task. The server adds the
 groups its batch-time staleness gate refused (they reached it, were never trained) to its
 next step row as `cost/waste_by_task` (the same keys but `rollout_s`: a trajectory does not
@@ -65,9 +68,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from jetctl.rundir import read_json, write_json_atomic
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -126,35 +127,54 @@ def add_waste(tally: dict[str, float], costs: Mapping[str, float],
         tally[ROLLOUT_S] = tally.get(ROLLOUT_S, 0.0) + rollout_s
 
 
+class WasteStore(Protocol):
+    """Where a node's waste tally is kept: its spool (jetctl/client/spool.py `Spool`)."""
+
+    def waste(self) -> dict[str, float]: ...
+
+    def add_waste(self, tally: Mapping[str, float]) -> None: ...
+
+
 class NodeWaste:
-    """A client node's waste tally (`add_waste`'s keys), kept in a small JSON file beside its
-    spool (`path`; None: in memory only) that each change replaces atomically, and read back
-    when the node starts again under the same name: the controller keeps only a node's last
-    status, so a tally that started again would forget its predecessor's waste. `roles`: a
-    team rollout's wall seconds are split evenly over its roles' trajectories."""
+    """A client node's waste tally (`add_waste`'s keys), kept in its spool (`store`; None: in
+    memory only) and read back when the node starts again under the same name: the
+    controller keeps only a node's last status, so a tally that started again would forget
+    its predecessor's waste. `roles`: a team rollout's wall seconds are split evenly over its
+    roles' trajectories."""
 
-    def __init__(self, path: Path | None = None, roles: int = 1) -> None:
-        self.path = path
+    def __init__(self, store: WasteStore | None = None, roles: int = 1) -> None:
+        self.store = store
         self.roles = roles
-        saved = read_json(path) if path is not None else None  # None: no file yet
-        if saved is None and path is not None and path.exists():  # written atomically: foreign
-            log.warning("%s is not a waste tally; this node's tally starts from 0", path)
-        self.totals: dict[str, float] = {
-            k: float(v) for k, v in (saved or {}).items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        self.totals: dict[str, float] = dict(store.waste()) if store is not None else {}
 
-    def add(self, trajectories: Iterable[tuple[Mapping[str, float], float | None]]) -> int:
-        """Add trajectories that trained nothing, each as (its `Trajectory.costs`, its
-        rollout's wall seconds or None where unknown), and save the tally once; returns how
-        many."""
+    def tally(
+        self, trajectories: Iterable[tuple[Mapping[str, float], float | None]]
+    ) -> tuple[dict[str, float], int]:
+        """The tally of trajectories that trained nothing, each as (its `Trajectory.costs`,
+        its rollout's wall seconds or None where unknown), and how many, without adding it:
+        for a spool write that adds it in its own transaction (then `recorded`)."""
+        delta: dict[str, float] = {}
         n = 0
         for costs, rollout_s in trajectories:
-            add_waste(self.totals, costs, None if rollout_s is None else rollout_s / self.roles)
+            add_waste(delta, costs, None if rollout_s is None else rollout_s / self.roles)
             n += 1
-        if n and self.path is not None:
-            write_json_atomic(self.path, dict(sorted(self.totals.items())))
+        return delta, n
+
+    def add(self, trajectories: Iterable[tuple[Mapping[str, float], float | None]]) -> int:
+        """Add trajectories that trained nothing (see `tally`) and keep them in the store, in
+        one transaction; returns how many."""
+        delta, n = self.tally(trajectories)
+        if n:
+            if self.store is not None:
+                self.store.add_waste(delta)
+            self.recorded(delta)
         return n
+
+    def recorded(self, delta: Mapping[str, float]) -> None:
+        """Add to the totals a tally the store already holds (written with the spool write
+        that ended its trajectories)."""
+        for k, v in delta.items():
+            self.totals[k] = self.totals.get(k, 0.0) + v
 
 
 def client_waste(statuses: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:

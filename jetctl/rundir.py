@@ -224,10 +224,6 @@ class RunPaths:
         predecessor left (jetctl.client.rollout)."""
         return self.spool_dir / f"{node}.rollouts"
 
-    def node_waste(self, node: str) -> Path:
-        """`node`'s waste tally, kept across its restarts (jetctl.costs.NodeWaste)."""
-        return self.spool_dir / f"{node}.waste.json"
-
     def make(self) -> None:
         for d in (self.root, self.logs, self.pids, self.servers, self.nodes, self.metrics):
             d.mkdir(parents=True, exist_ok=True)

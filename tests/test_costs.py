@@ -274,28 +274,59 @@ def test_per_step_carries_the_ledgers_waste_and_its_gpu_seconds_where_there_are_
 
 
 def test_a_nodes_waste_tally_is_kept_across_its_restarts(tmp_path: Path) -> None:
-    """`NodeWaste`: the tally a node's status reports is saved beside its spool at each
-    change and read back by the next node of the same name; a team rollout's wall seconds
-    are split over its roles."""
+    """`NodeWaste`: the tally a node's status reports is kept in its spool at each change
+    and read back by the next node of the same name; a team rollout's wall seconds are split
+    over its roles."""
+    from jetctl.client.spool import Spool
     from jetctl.costs import NodeWaste, client_waste
     from jetctl.rundir import RunPaths
 
-    path = RunPaths(tmp_path).node_waste("digits-0")
-    first = NodeWaste(path, roles=2)  # a team task of two roles
-    assert first.totals == {}, "no file yet: a node's first start"
+    path = RunPaths(tmp_path).spool("digits-0")
+    first = NodeWaste(Spool(path), roles=2)  # a team task of two roles
+    assert first.totals == {}, "a new spool: a node's first start"
     # a role's trajectory of a failed rollout (its share of the costs), and one lost whole
     assert first.add([({"usd/judge": 0.25, "client_cpu_s": 0.5}, 4.0), ({}, None)]) == 2
     assert first.add([]) == 0
 
-    second = NodeWaste(path, roles=2)  # the node restarted under its name
+    second = NodeWaste(Spool(path), roles=2)  # the node restarted under its name
     assert second.totals == {"trajectories": 2.0, "usd/judge": 0.25, "client_cpu_s": 0.5,
                              "rollout_s": 2.0}
     second.add([({"usd/judge": 0.25}, 2.0)])
-    assert NodeWaste(path).totals == {"trajectories": 3.0, "usd/judge": 0.5,
-                                      "client_cpu_s": 0.5, "rollout_s": 3.0}
+    assert NodeWaste(Spool(path)).totals == {"trajectories": 3.0, "usd/judge": 0.5,
+                                             "client_cpu_s": 0.5, "rollout_s": 3.0}
     # what the run's summary sums from the node's last status
     status = {"task": "digits", "waste": dict(second.totals)}
     assert client_waste([status])["digits"]["usd/judge"] == 0.5
+    # in memory only (a node's producer on its own, in tests): counted, kept nowhere
+    alone = NodeWaste(roles=1)
+    assert alone.add([({"usd/judge": 1.0}, 3.0)]) == 1
+    assert alone.totals == {"trajectories": 1.0, "usd/judge": 1.0, "rollout_s": 3.0}
 
-    path.write_text("{not json")  # a file that is not a tally (the write is atomic): start over
-    assert NodeWaste(path).totals == {}
+
+def test_the_spool_adds_a_refused_groups_waste_in_the_acks_own_transaction(
+    tmp_path: Path,
+) -> None:
+    """A refused ack and its waste are one transaction: a node killed after the ack cannot
+    have recorded the refusal without the waste (nor the waste of an ack it never recorded:
+    a second ack of the same group adds nothing)."""
+    from jetctl.client.spool import Spool
+
+    path = tmp_path / "t-0.sqlite"
+    spool = Spool(path)
+    spool.put("g1", b"x" * 10, 2, trajectory_ids=["a", "b"])
+    spool.put("g2", b"y" * 10, 2, trajectory_ids=["c", "d"])
+    assert spool.ack("g1", "stale", "too old", waste={"trajectories": 2.0, "usd/judge": 0.5})
+    assert not spool.ack("g1", "stale", "too old", waste={"trajectories": 2.0})  # answered twice
+    assert spool.dead_letter("g2", ["c", "d"], "too big", waste={"trajectories": 2.0})
+    spool.close()
+    again = Spool(path)  # what a restarted node reads
+    assert again.waste() == {"trajectories": 4.0, "usd/judge": 0.5}
+    assert again.counts().outcomes["stale"] == 1 and again.counts().dropped == {"dead-letter": 2}
+    # rollouts a killed predecessor left in progress: dropped(lost) and their waste together
+    again.start("g3", ["e", "f", "g"])
+    again.close()
+    third = Spool(path)
+    assert third.recover_lost("killed", waste=lambda n: {"trajectories": float(n)}) == 3
+    assert third.waste()["trajectories"] == 7.0
+    assert third.recover_lost("killed", waste=lambda n: {"trajectories": float(n)}) == 0
+    assert third.waste()["trajectories"] == 7.0

@@ -244,8 +244,10 @@ class Delivery:
         """A group larger than the server takes can never be delivered: give it up, loudly."""
         group = pb.TrajectoryGroup.FromString(item.payload)
         error = f"group is {len(item.payload)} bytes; the server takes at most {cap}"
-        self.spool.dead_letter(item.id, [t.id for t in group.trajectories], error)
-        self._wasted(group)
+        delta = self._waste_of(item)
+        if self.spool.dead_letter(item.id, [t.id for t in group.trajectories], error,
+                                  waste=delta if self._kept_in_spool else None):
+            self._waste_recorded(delta)
         self.stats.drop("dead-letter", len(group.trajectories))
         self.metrics.dropped.labels(reason="dead-letter").inc(len(group.trajectories))
 
@@ -258,27 +260,45 @@ class Delivery:
             self._submit_since = None
 
     def _record_ack(self, item: PendingGroup, outcome: Outcome, reason: str) -> None:
-        self.spool.ack(item.id, outcome, reason)
+        refused = outcome in ("stale", "invalid", "revision")
+        # a group refused for good trained nothing: its waste goes to the tally in the ack's
+        # own transaction (a node killed after the ack cannot lose it)
+        delta = self._waste_of(item) if refused else None
+        recorded = self.spool.ack(item.id, outcome, reason,
+                                  waste=delta if self._kept_in_spool else None)
         self.stats.acks[outcome] = self.stats.acks.get(outcome, 0) + 1
-        if outcome in ("stale", "invalid", "revision"):
+        if refused:
             log.warning("group %s %s: %s", item.id, outcome, reason)
-            self._refused(item)
+            if recorded and delta is not None:
+                self._waste_recorded(delta)
         if outcome == "revision":
             self._on_revision_refused()  # nothing more to do here
 
-    def _refused(self, item: PendingGroup) -> None:
-        """A group refused for good trained nothing: its trajectories' costs, read from its
-        spooled bytes, go to the waste tally."""
+    @property
+    def _kept_in_spool(self) -> bool:
+        """The node's waste tally lives in this delivery's spool (jetctl/costs.py)."""
+        return self.waste.store is self.spool
+
+    def _waste_of(self, item: PendingGroup) -> dict[str, float]:
+        """The waste tally of a group that will never train: its trajectories' costs, read
+        from its spooled bytes (bytes nobody can read, a damaged spool: counted, costs
+        unknown)."""
         try:
             group = pb.TrajectoryGroup.FromString(item.payload)
-        except DecodeError:  # bytes nobody can read (a damaged spool): counted, costs unknown
-            self.waste.add(({}, None) for _ in range(item.n_trajectories))
-            return
-        self._wasted(group)
+        except DecodeError:
+            return self.waste.tally(({}, None) for _ in range(item.n_trajectories))[0]
+        return self.waste.tally(
+            (dict(t.costs), t.timings.get("rollout_s")) for t in group.trajectories)[0]
 
-    def _wasted(self, group: pb.TrajectoryGroup) -> None:
-        """A group that will never train: its trajectories' costs go to the waste tally."""
-        self.waste.add((dict(t.costs), t.timings.get("rollout_s")) for t in group.trajectories)
+    def _waste_recorded(self, delta: dict[str, float]) -> None:
+        """A tally the spool write took: into the node's totals (and its store, where the
+        tally is kept elsewhere)."""
+        if self._kept_in_spool:
+            self.waste.recorded(delta)
+        else:
+            if self.waste.store is not None:
+                self.waste.store.add_waste(delta)
+            self.waste.recorded(delta)
 
     def _probe_due(self) -> bool:
         """While the link is down, send the oldest deferred group every `probe_s` (a probe):

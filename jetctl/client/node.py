@@ -144,7 +144,7 @@ class ClientNode:
         # live rollouts (pid, start time): a restart kills what a killed predecessor left
         self._rollout_registry = self.paths.rollouts(config.name)
         # what its trajectories that trained nothing cost, across its restarts (jetctl.costs)
-        self.waste = NodeWaste(self.paths.node_waste(config.name), len(config.task.role_models))
+        self.waste = NodeWaste(self.spool, len(config.task.role_models))
         self.transports = {
             m: SwarmTransport(
                 m, config.token, run_dir=None if link else config.run_dir,
@@ -245,12 +245,21 @@ class ClientNode:
         if reaped:
             log.warning("killed %d rollout(s) an earlier process of %s left running",
                         reaped, self.config.name)
-        lost = self.spool.recover_lost("the node died while this rollout ran (killed or crashed)")
+        # trained nothing, costs unknown: to the waste tally in the same transaction
+        tallies: list[dict[str, float]] = []
+
+        def waste(n: int) -> dict[str, float]:
+            tallies.append(self.waste.tally(({}, None) for _ in range(n))[0])
+            return tallies[-1]
+
+        lost = self.spool.recover_lost(
+            "the node died while this rollout ran (killed or crashed)", waste=waste)
         if lost:
             log.warning("%d rollouts of an earlier process of %s were lost", lost, self.config.name)
             self.stats.drop("lost", lost)
             self.metrics.dropped.labels(reason="lost").inc(lost)
-            self.waste.add(({}, None) for _ in range(lost))  # trained nothing; costs unknown
+            for delta in tallies:
+                self.waste.recorded(delta)
 
     async def _finish(
         self, senders: list[asyncio.Task[None]], status_task: asyncio.Task[None]

@@ -1,7 +1,7 @@
 """The client node's durable spool: trajectory groups wait here until the server acks them.
 
 One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FULL`, so a
-`put` that returned survives `kill -9` and power loss). Five tables:
+`put` that returned survives `kill -9` and power loss). Six tables:
 
 * `inflight` - one row per trajectory id of a rollout in progress (written before the
   rollout starts). `put` and `drop` remove the rows in the same transaction (`drop_group`
@@ -18,6 +18,8 @@ One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FUL
   (`counts`, the ledger's) stays what it was. A folded group's `outcome` reads None.
 * `dropped`  - one row per trajectory the node gave up on before sending (timeout | failed |
   dead-letter | lost), with the error text and traceback.
+* `waste`    - the node's waste tally (jetctl/costs.py `NodeWaste`): key -> summed value. A
+  refused `ack`, a `dead_letter` and `recover_lost` add theirs in their own transaction.
 
 The trajectory ids are what `jetctl.ledger` balances against the servers' stores (a folded
 ack's ids are the server's to name: the ledger counts them from `outcome_totals`). Every
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -96,6 +99,10 @@ CREATE TABLE IF NOT EXISTS inflight (
     started_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS inflight_group ON inflight (group_id);
+CREATE TABLE IF NOT EXISTS waste (
+    key TEXT PRIMARY KEY,
+    value REAL NOT NULL
+);
 """
 # columns added after the first release; spools written before them get them on open
 _ADDED_COLUMNS = (
@@ -217,9 +224,15 @@ class Spool:
             self._db.execute("DELETE FROM outcome_totals WHERE model = ''")
         return int(n)
 
-    def recover_lost(self, error: str, now: float | None = None) -> int:
+    def recover_lost(
+        self,
+        error: str,
+        now: float | None = None,
+        waste: Callable[[int], Mapping[str, float]] | None = None,
+    ) -> int:
         """Rollouts an earlier process of this node left in progress become `dropped(lost)`.
-        Call once at start, before any rollout; returns how many."""
+        Call once at start, before any rollout; returns how many. `waste(n)`: their waste
+        tally, added in the same transaction."""
         t = time.time() if now is None else now
         with self._tx():
             n = self._db.execute(
@@ -228,6 +241,8 @@ class Spool:
                 (error, t),
             ).rowcount
             self._db.execute("DELETE FROM inflight")
+            if n > 0 and waste is not None:
+                self._add_waste(waste(int(n)))
         self._inflight_groups = 0
         return int(n)
 
@@ -314,9 +329,16 @@ class Spool:
         return int(n > 0)
 
     def ack(
-        self, group_id: str, outcome: Outcome, reason: str = "", now: float | None = None
-    ) -> None:
-        """The server answered for this group: record the outcome and remove it from pending."""
+        self,
+        group_id: str,
+        outcome: Outcome,
+        reason: str = "",
+        now: float | None = None,
+        waste: Mapping[str, float] | None = None,
+    ) -> bool:
+        """The server answered for this group: record the outcome and remove it from pending;
+        `waste` (a group refused for good: its trajectories' waste tally) is added in the same
+        transaction. False when the group was no longer pending (nothing recorded)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
         t = time.time() if now is None else now
@@ -327,7 +349,7 @@ class Spool:
                 (group_id,),
             ).fetchone()
             if row is None:
-                return  # already acked (a retried Submit answered twice)
+                return False  # already acked (a retried Submit answered twice)
             new = self._db.execute(
                 "SELECT 1 FROM outcomes WHERE group_id = ?", (group_id,)
             ).fetchone() is None
@@ -337,11 +359,14 @@ class Spool:
                 (group_id, row[0], outcome, reason, t, row[1], row[2]),
             )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
+            if waste:
+                self._add_waste(waste)
         self._bytes -= int(row[3])
         self._n_outcomes += new
         # fold in batches (a tenth of what is kept): one short transaction every so often
         if self._n_outcomes > self.keep_outcomes + self.keep_outcomes // 10:
             self.compact()
+        return True
 
     def compact(self, keep: int | None = None) -> int:
         """Fold all but the newest `keep` (default `keep_outcomes`) acked groups' rows into
@@ -417,15 +442,24 @@ class Spool:
             ended = row is not None and not self._in_flight(str(row[0]))
         self._inflight_groups -= ended
 
-    def dead_letter(self, group_id: str, trajectory_ids: list[str], error: str) -> None:
+    def dead_letter(
+        self,
+        group_id: str,
+        trajectory_ids: list[str],
+        error: str,
+        waste: Mapping[str, float] | None = None,
+    ) -> bool:
         """Give up on a pending group that can never be sent (e.g. larger than the server's
-        message cap): its trajectories become `dropped(dead-letter)`, in one transaction."""
+        message cap): its trajectories become `dropped(dead-letter)` and `waste` is added to
+        the tally, in one transaction. False when the group was no longer pending."""
         t = time.time()
         with self._tx():
             row = self._db.execute(
                 "SELECT model, LENGTH(payload) FROM pending WHERE id = ?", (group_id,)
             ).fetchone()
-            model = row[0] if row is not None else ""
+            if row is None:
+                return False
+            model = row[0]
             for tid in trajectory_ids:
                 self._db.execute(
                     "INSERT OR REPLACE INTO dropped (trajectory_id, reason, error, time, model)"
@@ -433,10 +467,30 @@ class Spool:
                     (tid, error, t, model),
                 )
             self._db.execute("DELETE FROM pending WHERE id = ?", (group_id,))
-        if row is not None:
-            self._bytes -= int(row[1])
+            if waste:
+                self._add_waste(waste)
+        self._bytes -= int(row[1])
+        return True
+
+    def add_waste(self, tally: Mapping[str, float]) -> None:
+        """Add to the node's waste tally (jetctl/costs.py `NodeWaste`), in one transaction."""
+        with self._tx():
+            self._add_waste(tally)
+
+    def _add_waste(self, tally: Mapping[str, float]) -> None:
+        """`add_waste` in the caller's transaction."""
+        self._db.executemany(
+            "INSERT INTO waste (key, value) VALUES (?, ?)"
+            " ON CONFLICT(key) DO UPDATE SET value = value + excluded.value",
+            [(k, float(v)) for k, v in tally.items()],
+        )
 
     # ------------------------------------------------------------------ reads
+
+    def waste(self) -> dict[str, float]:
+        """The node's waste tally, key -> value (empty for a new spool)."""
+        return {str(k): float(v) for k, v in self._db.execute(
+            "SELECT key, value FROM waste ORDER BY key")}
 
     def due(
         self, limit: int, now: float | None = None, model: str | None = None

@@ -147,7 +147,7 @@ async def test_a_group_whose_task_raised_counts_what_its_rollouts_reported_as_wa
                          revision="r0", max_groups=1),
         FakeProxy(), RaisingRunner(), spool, NodeStats(), ClientMetrics(),  # type: ignore[arg-type]
         draining=asyncio.Event(), on_spooled=lambda: None,
-        waste=NodeWaste(paths.node_waste("t-0")),
+        waste=NodeWaste(spool),
     )
     await producer.run()
     assert [reason for _, reason, _ in spool.dropped_rows()] == ["failed", "failed"]
@@ -155,7 +155,7 @@ async def test_a_group_whose_task_raised_counts_what_its_rollouts_reported_as_wa
     # the rollout that could not start reported nothing; the other paid before it was stopped
     expected = {"trajectories": 2.0, "usd/judge": PRICE, "env_s": 0.5, "rollout_s": 1.0}
     assert producer.waste.totals == expected
-    assert NodeWaste(paths.node_waste("t-0")).totals == expected  # what a restart reads back
+    assert NodeWaste(Spool(paths.spool("t-0"))).totals == expected  # what a restart reads back
 
 
 @pytest.mark.integration
@@ -178,7 +178,7 @@ async def test_a_group_refused_at_submit_adds_its_trajectories_to_the_waste(
                   trajectory_ids=[t.id for t in g.trajectories])
     transport = SwarmTransport("policy", TOKEN, run_dir=tmp_path)
     delivery = Delivery(spool, transport, NodeStats(), ClientMetrics(),
-                        waste=NodeWaste(paths.node_waste("t-0")))
+                        waste=NodeWaste(spool))
     sender = asyncio.create_task(delivery.run())
     try:
         await delivery.flush(20)
@@ -193,4 +193,4 @@ async def test_a_group_refused_at_submit_adds_its_trajectories_to_the_waste(
     expected = {"trajectories": 8.0, "usd/judge": 8 * PRICE, "client_cpu_s": 8 * 0.5,
                 "env_s": 8 * 0.25, "rollout_s": 8 * 2.0}
     assert delivery.waste.totals == expected
-    assert NodeWaste(paths.node_waste("t-0")).totals == expected
+    assert NodeWaste(Spool(paths.spool("t-0"))).totals == expected
