@@ -5,9 +5,12 @@ with each trajectory to the server and summed into the step rows, and the finish
 
 Each rollout of `PaidDigitsEnv` reports PRICE dollars of kind "judge" when its session
 closes, so a step row's `cost/usd` is PRICE times the trajectories the step consumed
-(trained on or skipped without signal), to rounding. The first rollout of the run (across
-its processes: a marker file) fails in `reward()` after its session spent: its spend is the
-task's waste, apart from the spend that trained.
+(trained on or skipped without signal), to rounding. Its reward is the share of the reply
+that is digits, any digit (the digits env's asks for one): the untrained builtin:tiny puts
+~1.4% on a digit token, so about one group of 4 in five carries signal and the rest are
+skipped, and a step comes after ~10 groups instead of the ~100 one digit takes. The first
+rollout of the run (across its processes: a marker file) fails in `reward()` after its
+session spent: its spend is the task's waste, apart from the spend that trained.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +61,9 @@ class PaidDigitsSession(DigitsSession, Spending):
         try:
             os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            return super().reward()
+            chars = [c for c in self.submitted or "" if not c.isspace()]
+            digits = sum(c.isdigit() for c in chars)
+            return digits / max(int(self.task.data["length"]), len(chars)) if chars else 0.0
         raise RuntimeError("the judge failed (deliberately, once per run)")
 
     def close(self) -> None:  # a judge paid once per rollout, reported as it closes
@@ -88,11 +94,15 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     with detached_run(recipe, tmp_path / "run") as run_dir:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and len(step_rows(run_dir)) < STEPS:
-            time.sleep(2)
-        out = jetctl("status", "--once", "--json", "--run-dir", str(run_dir), check=False)
+            time.sleep(0.5)
+        with ThreadPoolExecutor(2) as pool:  # the two views of the live run, side by side
+            as_json = pool.submit(jetctl, "status", "--once", "--json", "--run-dir",
+                                  str(run_dir), check=False)
+            as_text = pool.submit(jetctl, "status", "--once", "--run-dir", str(run_dir),
+                                  check=False)
+            out, text_live = as_json.result(), as_text.result().stdout
         if out.returncode == 0:
             live = json.loads(out.stdout)
-        text_live = jetctl("status", "--once", "--run-dir", str(run_dir), check=False).stdout
     rows = step_rows(run_dir)
     assert len(rows) >= STEPS, f"{len(rows)} step rows within 240 s"
     for row in rows:
@@ -112,8 +122,10 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     assert live["waste"]["digits"]["trajectories"] >= 1, "the failed rollout, as its node synced"
     assert "waste digits: " in text_live, text_live
 
-    status = jetctl("status", "--once", "--json", "--run-dir", str(run_dir))
-    summary = json.loads(status.stdout)
+    with ThreadPoolExecutor(2) as pool:  # the finished run's summary, as JSON and as text
+        as_json = pool.submit(jetctl, "status", "--once", "--json", "--run-dir", str(run_dir))
+        as_text = pool.submit(jetctl, "status", "--once", "--run-dir", str(run_dir))
+        summary, text = json.loads(as_json.result().stdout), as_text.result().stdout
     costs = summary["models"]["policy"]["costs"]
     # waste: every trajectory the node dropped (the deliberate failure, and any other failed
     # or timed-out rollout, or ok one in a dropped group), each of which spent PRICE but a
@@ -129,7 +141,6 @@ def test_the_spend_an_env_reports_reaches_the_step_rows_and_the_runs_status(
     assert costs["usd_by_kind"] == {"judge": pytest.approx(total, rel=1e-9)}
     assert costs["tasks"]["digits"]["usd"] == pytest.approx(total, rel=1e-9)
     assert costs["client_cpu_s"] == pytest.approx(sum(r["cost/client_cpu_s"] for r in rows))
-    text = jetctl("status", "--once", "--run-dir", str(run_dir)).stdout
     assert f"env spend ${total:.4f} (judge ${total:.4f})" in text, text
     assert (f"waste digits: {int(waste['trajectories'])} trajectories failed, timed out or "
             f"dropped on the nodes" in text), text
