@@ -365,16 +365,25 @@ class ChaosRun:
         self.say(rec.line())
         return rec
 
-    def drop_acks(self, rate: float, seconds: float) -> FaultRecord:
-        """Servers commit each Submit, then drop its reply with probability `rate`."""
+    def drop_acks(self, rate: float, seconds: float, until_dropped: int | None = None) -> FaultRecord:
+        """Servers commit each Submit, then drop its reply with probability `rate`, for
+        `seconds`, or only until `until_dropped` replies were dropped when that is given."""
         before = self._dropped_acks()
         at = self.elapsed()
+        t0 = time.monotonic()
         self._set_faults(drop_ack=rate)
-        time.sleep(seconds)
+        end = t0 + seconds
+        if until_dropped is None:
+            time.sleep(seconds)
+        else:
+            while (time.monotonic() < end
+                   and self._dropped_acks() - before < until_dropped):
+                time.sleep(min(0.2, max(0.0, end - time.monotonic())))
         self._set_faults()
+        window = seconds if until_dropped is None else time.monotonic() - t0
         dropped = self._dropped_acks() - before
         rec = FaultRecord(f"drop acks p={rate:g}", "servers", at, outage_s=0.0, recovery_s=0.0,
-                          detail=f"{dropped} replies dropped after commit in {seconds:.0f}s",
+                          detail=f"{dropped} replies dropped after commit in {window:.0f}s",
                           figures={"dropped_acks": dropped})
         self.records.append(rec)
         self.say(rec.line())
@@ -411,14 +420,16 @@ def schedule(run: ChaosRun, duration_s: float) -> Iterator[Callable[[], FaultRec
 
 
 def run_schedule(run: ChaosRun, duration_s: float, gap_s: float = 10.0,
-                 fault_budget_s: float = 60.0) -> tuple[list[FaultRecord], Ledger]:
-    """Warm up, inject faults until `duration_s` is nearly spent, quiesce, balance."""
+                 fault_budget_s: float = 60.0,
+                 max_faults: int | None = None) -> tuple[list[FaultRecord], Ledger]:
+    """Warm up, inject faults until `duration_s` is nearly spent, quiesce, balance.
+    With `max_faults`, the quiesce comes as soon as that many faults were injected."""
     model = next(iter(run.recipe.models))
     end = time.monotonic() + duration_s
     run.start()
     try:
         run.wait_version(model, 1, timeout_s=max(120.0, duration_s / 2))
-        for fault in schedule(run, duration_s):
+        for injected, fault in enumerate(schedule(run, duration_s), start=1):
             if time.monotonic() + fault_budget_s > end:
                 break
             try:
@@ -426,6 +437,9 @@ def run_schedule(run: ChaosRun, duration_s: float, gap_s: float = 10.0,
             except ChaosError as e:
                 run.say(f"fault not injected: {e}")
                 run.records.append(FaultRecord("error", "-", run.elapsed(), detail=str(e)))
+            if max_faults is not None and injected >= max_faults:
+                end = time.monotonic()
+                break
             time.sleep(max(0.0, min(gap_s, end - time.monotonic())))
         time.sleep(max(0.0, end - time.monotonic()))
         run.quiesce()

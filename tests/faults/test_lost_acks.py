@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_dropped_acks_are_resent_and_trained_once(chaos_run: Callable[..., ChaosRun]) -> None:
     run = chaos_run()
     run.wait_version("policy", 1)
-    rec = run.drop_acks(0.5, 20.0)
+    rec = run.drop_acks(0.5, 20.0, until_dropped=3)  # the window closes after 3 lost replies
     assert rec.figures["dropped_acks"] > 0, rec.line()
     version = run.version("policy")
     run.wait_version("policy", version + 2)  # keeps training after the fault
