@@ -17,10 +17,19 @@ from typing import Any
 
 import pytest
 
-from jetctl.rundir import RunPaths
+from jetctl.rundir import RunPaths, StepRow
 from tests.runs import detached_run, run_status, step_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+MIN_STEPS = 20  # the first 10 steps' rewards and the last 10's are apart
+RISE = 0.3  # the last 10 steps' mean reward over the first 10's
+
+
+def rose(steps: list[StepRow], by: float) -> bool:
+    """The last 10 optimizer steps' mean reward is `by` over the first 10's, MIN_STEPS in."""
+    rewards = [s.reward_mean for s in steps if s.stepped]
+    return len(rewards) >= MIN_STEPS and sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + by
 
 RECIPE = """
 run:
@@ -30,7 +39,7 @@ models:
   policy:
     model: builtin:tiny
     finetune: full
-    optimizer: {lr: 2.0e-3}
+    optimizer: {lr: 1.0e-2}
     train: {groups_per_step: 2, max_staleness: 2, max_steps: 500}
     checkpoint: {every_steps: 20}
 tasks:
@@ -62,16 +71,22 @@ def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
     with detached_run(recipe, run_dir, env=env):
         deadline = time.monotonic() + 900
         doc: dict[str, Any] = {}
+        asked, learned = 0.0, False
         while time.monotonic() < deadline:
-            live = run_status(run_dir, env=env)
-            assert live is not None, "jetctl status --once --json failed while the run was up"
-            doc = live
-            server = doc["servers"][0]
-            versions.append(server["version"] or 0)
-            if versions[-1] >= 60 and server["rejected"].get("stale", 0) > 0:
-                break
-            time.sleep(3)
-        assert versions[-1] >= 60, f"version stuck at {versions[-1]}: {doc}"
+            # the step log (a file read) every 0.5 s; `jetctl status` (a process: CPU the run
+            # needs) every 3 s, and as soon as the log shows the rise the test asserts
+            now_learned = rose(step_rows(run_dir), RISE + 0.05)
+            if (now_learned and not learned) or time.monotonic() - asked >= 3:
+                asked, learned = time.monotonic(), now_learned
+                live = run_status(run_dir, env=env)
+                assert live is not None, "jetctl status --once --json failed while the run was up"
+                doc = live
+                server = doc["servers"][0]
+                versions.append(server["version"] or 0)
+                if learned and server["rejected"].get("stale", 0) > 0:
+                    break
+            time.sleep(0.5)
+        assert versions[-1] >= MIN_STEPS, f"version stuck at {versions[-1]}: {doc}"
         assert versions == sorted(versions), "the model version never goes back"
 
         server = doc["servers"][0]
@@ -87,8 +102,9 @@ def test_tiny_model_learns_through_the_swarm(tmp_path: Path) -> None:
     steps = step_rows(run_dir)
     rewards = [s.reward_mean for s in steps if s.stepped]
     first, last = rewards[:10], rewards[-10:]
-    # the fast task goes from ~0 to ~1 in 60 steps (FACTS: tiny learns it in 43-101 steps)
-    assert sum(last) / 10 > sum(first) / 10 + 0.3, (first, last)
+    # the fast task goes from ~0 to ~0.9 in ~35 steps at lr 1e-2 (measured on the 2-core box:
+    # 0.8 at step 30; lr 2e-3 took 43-101 steps)
+    assert len(rewards) >= MIN_STEPS and rose(steps, RISE), (first, last)
     assert RunPaths(run_dir).reward_curve_png.stat().st_size > 0
 
     # the ledger after the run stopped, read from the files the nodes leave behind
