@@ -45,7 +45,7 @@ def swap_clients(
 
     from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
-    from jetctl.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
+    from jetctl.rundir import RunDirError, find_run_dir, read_run_record, read_token_for
     from jetctl.status import controller_alive
     from jetctl.tls import TlsFiles
 
@@ -56,10 +56,10 @@ def swap_clients(
     console = Console()
     try:
         rd = find_run_dir(run_dir)
-        info = read_run_json(rd)
-        if not controller_alive(info):
+        info = read_run_record(rd)
+        if info.controller is None or not controller_alive(info):
             fail(f"the controller of {rd} is not running: start it with `jetctl up --resume`")
-        endpoint = str((info.get("controller") or {})["endpoint"])
+        endpoint = info.controller.endpoint
         token = read_token_for(rd)
     except RunDirError as e:
         fail(str(e))
@@ -75,7 +75,7 @@ def swap_clients(
                 "SwapClients",
                 request,
                 timeout_s=HEALTHY_TIMEOUT_S + grace + 60,
-                tls=TlsFiles.from_json(info.get("tls")),
+                tls=TlsFiles.from_json(info.tls),
             )
     except grpc.RpcError as e:
         fail(f"swap refused: {e.details() or e.code().name}")

@@ -217,24 +217,24 @@ def down(
 
     from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
-    from jetctl.rundir import RunDirError, find_run_dir, read_run_json, read_token_for
+    from jetctl.rundir import RunDirError, find_run_dir, read_run_record, read_token_for
     from jetctl.status import controller_alive
     from jetctl.tls import TlsFiles
 
     console = Console()
     try:
         rd = find_run_dir(run_dir)
-        info = read_run_json(rd)
-        run = info.get("run", rd.name)
-        if not controller_alive(info):
+        info = read_run_record(rd)
+        run = info.run
+        ctl = info.controller
+        if ctl is None or not controller_alive(info):
             stopped = stop_orphans(rd, grace)
             console.print(f"the controller of run {run} was not running; stopped {stopped} node(s)")
             return
-        ctl = info.get("controller") or {}
         token = read_token_for(rd)
         call_control(
-            str(ctl["endpoint"]), token, "Down", cpb.DownRequest(grace_s=grace),
-            tls=TlsFiles.from_json(info.get("tls")),
+            ctl.endpoint, token, "Down", cpb.DownRequest(grace_s=grace),
+            tls=TlsFiles.from_json(info.tls),
         )
     except RunDirError as e:
         fail(str(e))
@@ -246,7 +246,7 @@ def down(
         while controller_alive(info) and time.monotonic() < deadline:
             time.sleep(0.25)
     if controller_alive(info):
-        fail(f"the controller (pid {info['controller']['pid']}) is still draining; see {rd}/logs/controller.log")
+        fail(f"the controller (pid {ctl.pid}) is still draining; see {rd}/logs/controller.log")
     console.print(f"run {run} stopped")
 
 
@@ -298,9 +298,8 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
 def _ray_config(run_dir: Path) -> tuple[str, RayConfig] | None:
     """(run name, run.ray) when the run's recipe places nodes on Ray."""
     from jetctl.recipe import RecipeError, load_recipe
-    from jetctl.rundir import RunPaths, read_json
 
-    recipe = str((read_json(RunPaths(run_dir).run_json) or {}).get("recipe") or "")
+    recipe = _recipe_of(run_dir)
     try:
         rec = load_recipe(recipe) if recipe else None
     except RecipeError:
@@ -308,12 +307,21 @@ def _ray_config(run_dir: Path) -> tuple[str, RayConfig] | None:
     return (rec.run.name, rec.run.ray) if rec is not None and rec.uses_ray else None
 
 
+def _recipe_of(run_dir: Path) -> str:
+    """The recipe path run.json names ('' where run.json is missing or not a run's)."""
+    from jetctl.rundir import RunDirError, read_run_record
+
+    try:
+        return read_run_record(run_dir).recipe
+    except RunDirError:
+        return ""
+
+
 def _has_containers(run_dir: Path) -> bool:
     """The run's recipe puts a task on docker (then its containers are looked up by label)."""
     from jetctl.recipe import RecipeError, load_recipe
-    from jetctl.rundir import RunPaths, read_json
 
-    recipe = str((read_json(RunPaths(run_dir).run_json) or {}).get("recipe") or "")
+    recipe = _recipe_of(run_dir)
     try:
         return bool(recipe) and any(
             t.runtime == "docker" for t in load_recipe(recipe).tasks.values()
