@@ -29,8 +29,11 @@ def test_stuck_rollouts_are_killed_with_what_they_started(
     pid_dir = tmp_path / "helpers"
     pid_dir.mkdir()
     monkeypatch.setenv("JETCTL_STUCK_PID_DIR", str(pid_dir))
-    # normal rollouts take up to ~10 s on a busy 2-core machine
-    run = chaos_run(agent="agents.stuck:agent", clients=1, rollout_timeout_s=20.0)
+    # the timeout is all a stuck rollout costs (twice: the wait for the timeouts below and the
+    # quiesce, whose drain lets the stuck ones in flight time out). Normal rollouts take a few
+    # seconds at most on a busy 2-core machine (a wait for a server still starting does not
+    # count against the timeout), and one that timed out would only be one more timeout
+    run = chaos_run(agent="agents.stuck:agent", clients=1, rollout_timeout_s=10.0)
     run.wait("a stuck rollout", lambda: len(list(pid_dir.iterdir())) >= 2, 120)
     version = run.version("policy")
     run.wait_version("policy", version + 3)  # the node keeps working around them
