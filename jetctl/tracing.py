@@ -9,6 +9,8 @@ once, and the hooks at the call sites record:
         jetctl.generate             client transport: the Generate RPC (the W3C `traceparent`
           jetctl.generate.server    rides in its gRPC metadata): the server's handler
       jetctl.env.open / jetctl.agent / jetctl.env.reward    the rollout process
+        jetctl.env.step             the rollout process: each call the agent made to a method
+                                    of its env session (`jetctl.env.method`), under the agent
       jetctl.submit                 client transport: each Submit that carried the trajectory
       jetctl.admission              server: the group's verdict (outcome and reason)
     jetctl.optimizer_step           server: a trace of its own, with a span link to the
@@ -22,9 +24,12 @@ Off (no endpoint) every hook is one test of `_active` and opentelemetry is never
 from a worker thread (`BatchSpanProcessor`); the rollout process flushes its three spans,
 within `CHILD_FLUSH_MS`, before it hands its result back.
 
-Left out: spans of the env's own steps inside the agent (tool calls); the rollout process
-records open / agent / reward from its timings. A node or server started by hand, without a
-controller, traces only when its environment names the collector itself.
+The rollout process records open / agent / reward from its timings and, traced, times each
+call of a public method of the env's session (`record_env_steps`: the session's own methods,
+wrapped on the instance, so `isinstance` and attributes are untouched; not `reward`, `close`
+or `cost`; the first `MAX_ENV_STEPS` calls). A session whose instance takes no attributes
+(`__slots__`, a frozen dataclass) is traced without its steps. A node or server started by
+hand, without a controller, traces only when its environment names the collector itself.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
+import inspect
 import os
 import time
 from collections import OrderedDict
@@ -45,6 +52,8 @@ TRACEPARENT = "traceparent"  # W3C Trace Context: the metadata key on trajectori
 KEEP_ROLLOUTS = 4096  # span contexts of recent rollouts kept for their trajectories' metadata
 EXPORT_DELAY_MS = 500  # a batch of spans goes out at least this often
 CHILD_FLUSH_MS = 2000  # the most a rollout process waits for its spans to go out
+MAX_ENV_STEPS = 256  # env step spans a rollout records at most
+NOT_STEPS = frozenset({"reward", "close", "cost"})  # session methods that are not its steps
 
 
 def environment(otlp_endpoint: str | None) -> dict[str, str]:
@@ -190,23 +199,107 @@ def submit_call(groups: Sequence[Any]) -> Iterator[None]:
             span.end()
 
 
-def rollout_process(traceparent: str, t0: float, timings: Mapping[str, float]) -> None:
-    """In the rollout process, before it hands its result back: its steps as spans from its
-    timings (`t0`: time.monotonic() at its start), flushed now, as the process ends next."""
+@dataclass(frozen=True)
+class EnvStep:
+    """One call of an env session's method: seconds since the rollout's t0."""
+
+    method: str
+    start_s: float
+    end_s: float
+    error: str = ""  # the exception's type, when the call raised
+
+
+def record_env_steps(session: Any, t0: float) -> list[EnvStep]:
+    """Time each call of `session`'s public methods (see the module docstring) into the list
+    returned, as the agent makes them; `t0`: time.monotonic() at the rollout's start."""
+    steps: list[EnvStep] = []
+    seen: set[str] = set()
+    for klass in type(session).__mro__:
+        if klass is object or klass.__module__ in ("typing", __name__, "jetctl.env"):
+            continue
+        for name, attr in vars(klass).items():
+            if name in seen or name.startswith("_") or name in NOT_STEPS:
+                continue
+            seen.add(name)
+            if not inspect.isfunction(attr):  # properties, static and class methods stay
+                continue
+            try:
+                setattr(session, name, _timed(getattr(session, name), name, steps, t0))
+            except (AttributeError, TypeError):  # __slots__, frozen: traced without its steps
+                return steps
+    return steps
+
+
+def _timed(method: Any, name: str, steps: list[EnvStep], t0: float) -> Any:
+    def note(start: float, error: BaseException | None) -> None:
+        if len(steps) < MAX_ENV_STEPS:
+            steps.append(EnvStep(name, start - t0, time.monotonic() - t0,
+                                 "" if error is None else type(error).__name__))
+
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def timed_async(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                out = await method(*args, **kwargs)
+            except BaseException as e:
+                note(start, e)
+                raise
+            note(start, None)
+            return out
+
+        return timed_async
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            out = method(*args, **kwargs)
+        except BaseException as e:
+            note(start, e)
+            raise
+        note(start, None)
+        return out
+
+    return timed
+
+
+def rollout_process(
+    traceparent: str, t0: float, timings: Mapping[str, float], steps: Sequence[EnvStep] = ()
+) -> None:
+    """In the rollout process, before it hands its result back: its phases as spans from its
+    timings (`t0`: time.monotonic() at its start) and its env steps under the agent's span,
+    flushed now, as the process ends next."""
     if not traceparent or not start("jetctl-rollout", str(os.getpid())):
         return
     assert _active is not None
+    from opentelemetry import trace
+
     parent = _context(traceparent)
     now_ns, elapsed_s = time.time_ns(), time.monotonic() - t0
-    at_s = 0.0  # since t0; the steps ran one after the other
+
+    def at(offset_s: float) -> int:  # an offset since t0 as a wall-clock time in ns
+        return now_ns - int((elapsed_s - offset_s) * 1e9)
+
+    at_s = 0.0  # since t0; the phases ran one after the other
     for name, key in (("jetctl.env.open", "open_s"), ("jetctl.agent", "agent_s"),
                       ("jetctl.env.reward", "reward_s")):
         if key not in timings:
             break
-        begin = now_ns - int((elapsed_s - at_s) * 1e9)
+        begin = at(at_s)
         at_s += timings[key]
         span = _active.tracer.start_span(name, context=parent, start_time=begin)
-        span.end(end_time=now_ns - int((elapsed_s - at_s) * 1e9))
+        span.end(end_time=at(at_s))
+        if name == "jetctl.agent":
+            agent = trace.set_span_in_context(span)
+            for step in steps:
+                attributes = {"jetctl.env.method": step.method}
+                if step.error:
+                    attributes["jetctl.env.error"] = step.error
+                child = _active.tracer.start_span(
+                    "jetctl.env.step", context=agent, start_time=at(step.start_s),
+                    attributes=attributes)
+                child.end(end_time=at(step.end_s))
     flush()
 
 

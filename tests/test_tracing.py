@@ -175,6 +175,62 @@ def test_one_rollout_is_one_trace_across_processes_linked_from_its_step(
         assert named[name] and all(s.parent_id == rollout.span_id and s.service == service
                                    for s in named[name]), (name, named.get(name))
     assert {s.attributes["jetctl.outcome"] for s in named["jetctl.admission"]} == {"accepted"}
+    # the env steps the agent took (the dataset env's session.answer) hang off the agent
+    agents = {s.span_id for s in named["jetctl.agent"]}
+    steps = named.get("jetctl.env.step", [])
+    assert steps and all(s.parent_id in agents and s.service == "jetctl-rollout" for s in steps)
+    assert {s.attributes["jetctl.env.method"] for s in steps} == {"answer"}
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.answers: list[str] = []
+
+    def answer(self, text: str) -> str:
+        self.answers.append(text)
+        return "ok"
+
+    async def look(self) -> str:
+        return "a room"
+
+    def fail(self) -> None:
+        raise KeyError("no such tool")
+
+    def reward(self) -> float:
+        return float(len(self.answers))
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_env_sessions_steps_are_timed_in_the_order_the_agent_took_them() -> None:
+    """`record_env_steps` wraps the session's own public methods on the instance: each call is
+    one step with its method and times (an error's type too), the session stays what it was,
+    and reward/close are not steps. A frozen session is left as it is."""
+    import asyncio
+    import dataclasses
+
+    from jetctl.tracing import record_env_steps
+
+    t0 = time.monotonic()
+    session = _Session()
+    steps = record_env_steps(session, t0)
+    assert session.answer("4") == "ok" and asyncio.run(session.look()) == "a room"
+    with pytest.raises(KeyError):
+        session.fail()
+    assert session.reward() == 1.0 and isinstance(session, _Session)
+    session.close()
+    assert [(s.method, s.error) for s in steps] == [("answer", ""), ("look", ""),
+                                                    ("fail", "KeyError")]
+    assert all(0 <= s.start_s <= s.end_s <= time.monotonic() - t0 for s in steps)
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        def answer(self, text: str) -> str:
+            return text
+
+    frozen = Frozen()
+    assert record_env_steps(frozen, t0) == [] and frozen.answer("x") == "x"
 
 
 def _otel_modules(code: str) -> list[str]:

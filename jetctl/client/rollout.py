@@ -154,12 +154,15 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     session: Any = None  # the env session, once opened (its spend counts even on a failure)
+    steps: list[tracing.EnvStep] = []  # the env steps the agent took (traced only)
     try:
         make_env = load_object(spec.env)
         agent = load_object(spec.agent)
         env = make_env(**spec.env_args)
         session = env.open(spec.task)
         timings["open_s"] = time.monotonic() - t0
+        if spec.traceparent:  # traced: each env step the agent takes becomes a span
+            steps = tracing.record_env_steps(session, t0)
         # the spend so far now and at each session.cost: the node keeps it if it kills us
         on_cost(session, lambda usd: conn.send(Reported(usd, dict(timings))))
         try:
@@ -167,6 +170,7 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
             llm = LLM(base_url=spec.base_url, model=spec.model, roles=spec.roles)
             _call_agent(agent, spec.task, llm, session)
             timings["agent_s"] = time.monotonic() - t1
+            steps = steps[:]  # the agent's steps: not the session's own calls from reward()
             t2 = time.monotonic()
             reward, role_rewards = read_reward(session.reward())
             timings["reward_s"] = time.monotonic() - t2
@@ -186,7 +190,7 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
         )
     cpu = os.times()  # a forked child's counters start at 0; with the children it waited for
     result.timings["cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system
-    tracing.rollout_process(spec.traceparent, t0, result.timings)
+    tracing.rollout_process(spec.traceparent, t0, result.timings, steps)
     conn.send(result)
     conn.close()
 
