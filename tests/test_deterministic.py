@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.recipe import ModelConfig, RecipeError, parse_recipe
 from jetctl.server.engines import GenRequest, make_engine
 from jetctl.server.locks import WeightsLock
+from tests.runs import detached_run, jetctl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -262,17 +264,36 @@ def test_a_dataset_on_a_node_with_a_controller_comes_in_the_nodes_seeded_order(
     assert first == [f"row {i}" for i in order]
 
 
+def _stored_groups(run_dir: Path) -> int:
+    """The groups the run's server has stored so far (0 before its store is there)."""
+    path = run_dir / "server-policy" / "store.sqlite"
+    if not path.exists():
+        return 0
+    try:
+        db = sqlite3.connect(path, timeout=5)
+        try:
+            return int(db.execute("SELECT COUNT(*) FROM groups").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
 def _up(run_dir: Path) -> dict[str, tuple[int, list[int]]]:
-    """One short `jetctl up` (it trains): {"node:group/trajectory": (version, completion ids)}."""
+    """One short `jetctl up` (it trains): {"node:group/trajectory": (version, completion ids)}.
+    Downed once its server stored 4 groups: the down drains the rollouts in flight, so the
+    first groups (0 and 1, whose calls all went out at version 0) are stored in either run."""
     run_dir.mkdir()
     recipe = run_dir / "r.yaml"
     recipe.write_text(recipe_text().replace("run: {name: det, deterministic: true}",
-                                            "run: {name: det, deterministic: true, duration_s: 25}"))
-    done = subprocess.run(
-        [sys.executable, "-m", "jetctl.cli.main", "up", str(recipe), "--run-dir", str(run_dir)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+                                            "run: {name: det, deterministic: true, duration_s: 240}"))
+    with detached_run(recipe, run_dir):
+        deadline = time.monotonic() + 240
+        while _stored_groups(run_dir) < 4:
+            assert time.monotonic() < deadline, "fewer than 4 groups stored in 240 s"
+            time.sleep(0.5)
+        down = jetctl("down", "--run-dir", str(run_dir), check=False)
+        assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-3000:]
     db = sqlite3.connect(run_dir / "server-policy" / "store.sqlite")
     payloads = [p for (p,) in db.execute("SELECT payload FROM groups")]
     db.close()
@@ -290,7 +311,8 @@ def _up(run_dir: Path) -> dict[str, tuple[int, list[int]]]:
 def test_under_jetctl_up_the_controller_seeds_its_nodes_calls(tmp_path: Path) -> None:
     """The controller tells the nodes it starts (Join): two `jetctl up` runs, which train, give
     the same tokens for every rollout both generated from the same weights (version 0)."""
-    first, second = _up(tmp_path / "a"), _up(tmp_path / "b")
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side (free ports each)
+        first, second = pool.map(lambda d: _up(tmp_path / d), ("a", "b"))
     both = sorted(k for k in set(first) & set(second) if first[k][0] == second[k][0] == 0)
     assert len(both) >= 6, (len(first), len(second))  # at least two groups of 3 at version 0
     assert all(first[k][1] == second[k][1] for k in both)
