@@ -2,7 +2,7 @@
 
 `jetctl up --detach` (controller, a builtin:tiny server, two client nodes running the
 built-in dataset env and chat agent over a JSONL file), until the server has a checkpoint
-at step 4; `jetctl down`; then `jetctl eval RUN_DIR --checkpoint base,latest --json` scores
+at step 2; `jetctl down`; then `jetctl eval RUN_DIR --checkpoint base,latest --json` scores
 the held-out rows with the checkpoint, and `jetctl export --merged` writes a folder that
 transformers loads. The reward (the reply's length, mod 3) varies within a group, so
 groups carry signal and the server steps.
@@ -31,7 +31,7 @@ models:
     finetune: full
     optimizer: {{lr: 2.0e-3}}
     train: {{groups_per_step: 2, max_staleness: 4}}
-    checkpoint: {{every_steps: 4}}
+    checkpoint: {{every_steps: 2}}
 tasks:
   rows:
     env: jetctl.envs.dataset:make_env
@@ -60,14 +60,14 @@ def test_a_dataset_task_trains_and_its_checkpoint_is_evaluated_and_exported(tmp_
     with detached_run(recipe, run_dir):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not list(checkpoints.glob("step-*/manifest.json")):
-            time.sleep(2)
+            time.sleep(0.5)
     assert list(checkpoints.glob("step-*/manifest.json")), "no checkpoint within 300 s"
     nodes = [json.loads(p.read_text()) for p in RunPaths(run_dir).nodes.glob("*.json")]
     assert sum(n["groups_spooled"] for n in nodes) > 0
 
     out = jetctl("eval", str(run_dir), "--checkpoint", "base,latest", "--samples", "2", "--json")
     report = json.loads(out.stdout)
-    assert report["latest"]["rows"]["step"] >= 4
+    assert report["latest"]["rows"]["step"] >= 2
     for label in ("base", "latest"):
         figures = report[label]["rows"]
         assert (figures["rows"], figures["failed"]) == (10, 0)
