@@ -24,14 +24,21 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from jetctl.recipe import EvalConfig, RecipeError, parse_recipe
-from jetctl.server.evals import FIGURES, InRunEval, eval_argv
 from tests.runs import ROOT, detached_run, jetctl, step_rows
+
+if TYPE_CHECKING:
+    from jetctl.server.evals import InRunEval
+
+# Every rollout of the run imports this module in a process of its own, for `score` (the
+# env's reward, not preloaded in the node's forkserver): jetctl.server.evals (its checkpoint
+# module: torch) is imported where it is used, not here, or each rollout would load torch.
 
 TEST_SCORES = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]  # the eval reads the first 3 (max_rows)
 EVAL_ROWS = 3
@@ -83,7 +90,7 @@ def test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures(tmp_path: Pat
     with detached_run(recipe, tmp_path / "run") as run_dir:
         deadline = time.monotonic() + 420
         while time.monotonic() < deadline and not (results and logged and live):
-            time.sleep(3)
+            time.sleep(1)
             files = sorted((run_dir / "eval").glob("step-*.test.json"))
             if files:
                 results = {"file": files[0].name, **json.loads(files[0].read_text())["rows"]}
@@ -109,10 +116,12 @@ def test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures(tmp_path: Pat
 
     assert live.get("split") == "test" and live.get("step", 0) >= step
     assert live["mean_reward"] == pytest.approx(sum(expected) / EVAL_ROWS)
-    finished = json.loads(jetctl("status", "--once", "--json", "--run-dir", str(run_dir)).stdout)
+    with ThreadPoolExecutor(2) as pool:  # the finished run's summary, as JSON and as text
+        as_json = pool.submit(jetctl, "status", "--once", "--json", "--run-dir", str(run_dir))
+        as_text = pool.submit(jetctl, "status", "--once", "--run-dir", str(run_dir))
+        finished, text = json.loads(as_json.result().stdout), as_text.result().stdout
     shown = finished["evals"]["rows"]
     assert shown["step"] >= step and shown["rows"] == EVAL_ROWS
-    text = jetctl("status", "--once", "--run-dir", str(run_dir)).stdout
     assert f"eval rows: step {shown['step']} (test, {EVAL_ROWS} rows x 1)" in text
 
 
@@ -120,6 +129,8 @@ def stand_in(asked: Path, seconds: float) -> Callable[[Path, str, int, EvalConfi
     """A child in place of `jetctl eval`: it notes the options the server would give `jetctl
     eval` (`eval_argv`), takes `seconds` and prints that step's figures (each one the step
     number: all it knows)."""
+    from jetctl.server.evals import FIGURES, eval_argv
+
     def argv(run_dir: Path, task: str, step: int, cfg: EvalConfig) -> list[str]:
         options = " ".join(eval_argv(run_dir, task, step, cfg)[5:])  # from --task on
         figures = {k: step for k in FIGURES}
@@ -144,6 +155,8 @@ def wait_for(evals: InRunEval, key: str, timeout_s: float = 30.0) -> list[dict[s
 
 @pytest.mark.unit
 def test_checkpoints_that_come_faster_than_evals_skip_to_the_newest(tmp_path: Path) -> None:
+    from jetctl.server.evals import InRunEval
+
     asked = tmp_path / "asked"
     block = EvalConfig(every_steps=2, split="train", samples=3, max_rows=7)
     evals = InRunEval(tmp_path, {"rows": block}, 0, command=stand_in(asked, seconds=1.5))
@@ -169,6 +182,8 @@ def test_checkpoints_that_come_faster_than_evals_skip_to_the_newest(tmp_path: Pa
 
 @pytest.mark.unit
 def test_an_eval_past_its_timeout_is_killed_and_counted(tmp_path: Path) -> None:
+    from jetctl.server.evals import InRunEval
+
     asked = tmp_path / "asked"
     evals = InRunEval(tmp_path, {"rows": EvalConfig(every_steps=2, timeout_s=0.5)}, 0,
                       command=stand_in(asked, seconds=60))
@@ -185,6 +200,8 @@ def test_an_eval_past_its_timeout_is_killed_and_counted(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_stopping_kills_the_running_eval(tmp_path: Path) -> None:
+    from jetctl.server.evals import InRunEval
+
     asked = tmp_path / "asked"
     evals = InRunEval(tmp_path, {"rows": EvalConfig(every_steps=2)}, 0,
                       command=stand_in(asked, seconds=60))
@@ -278,6 +295,7 @@ def test_the_checkpoint_an_eval_reads_is_not_pruned_until_the_eval_ends(tmp_path
 
     from jetctl.recipe import load_recipe
     from jetctl.server import checkpoint
+    from jetctl.server.evals import InRunEval
     from jetctl.trained import build_model
 
     root = tmp_path / "checkpoints" / "policy"
