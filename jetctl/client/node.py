@@ -47,10 +47,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,8 +421,9 @@ class ClientNode:
         self.proxy.serve(names, default_model=None if self.team else self.model)
 
     def _start_producer(self) -> None:
-        """The rollout runner (its forkserver preloads the env's and agent's modules) and
-        the producer, which starts rollouts at once."""
+        """The rollout runner (its forkserver preloads the env's and agent's modules, and
+        those `env_args` name as `module:attr`, a dataset task's reward for one) and the
+        producer, which starts rollouts at once."""
         cfg = self.config
         assert self.proxy is not None
         env_module = cfg.task.env.partition(":")[0]
@@ -431,6 +433,7 @@ class ClientNode:
             [env_module, agent_module],
             max_workers=governor.ceiling if governor is not None else int(cfg.task.concurrency),
             registry=self._rollout_registry,
+            soft_preload=named_modules(cfg.task.env_args),
         )
         self.producer = Producer(
             ProductionConfig(
@@ -594,6 +597,17 @@ class _WaitingProxy(Proxy):
             raise ProxyError(503, self._refused, type_="server_error",
                              code="backend_unavailable")
         return await super().complete(rollout_id, body)
+
+
+def named_modules(env_args: Mapping[str, Any]) -> list[str]:
+    """The modules of the `module:attr` strings among `env_args`' values (a dataset task's
+    `reward`): each rollout would import them afresh; the forkserver tries them once (one
+    that fails there is imported, and fails, in the rollout, as before)."""
+    return sorted({v.partition(":")[0] for v in env_args.values()
+                   if isinstance(v, str) and _OBJECT_SPEC.fullmatch(v)})
+
+
+_OBJECT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def _link_endpoint(link: ControlLink, model: str) -> Callable[[], str]:

@@ -116,5 +116,21 @@ def _warm_openai() -> None:
         server.server_close()
 
 
+def _soft_preload() -> None:
+    """The modules the node named as worth loading once but not required to load
+    (`RolloutRunner(soft_preload=...)`, a dataset task's reward module): one that fails here,
+    whatever it raises, is imported again, and fails, in the rollout that needs it."""
+    import importlib
+
+    from jetctl.client.rollout import SOFT_PRELOAD_ENV
+
+    for name in filter(None, os.environ.get(SOFT_PRELOAD_ENV, "").split(",")):
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001, S110  # the rollout reports it, as before
+            pass
+
+
 _adopt_main()
+_soft_preload()
 _warm_openai()

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 16_000  # keeps the result well under a pipe buffer's size
 MAIN_ENV = "JETCTL_ROLLOUT_MAIN"  # "path:<file>" or "name:<module>" of the node's __main__
+SOFT_PRELOAD_ENV = "JETCTL_ROLLOUT_SOFT_PRELOAD"  # modules prewarm tries to import (comma list)
 # waits before each retry of a failed start (the pool is rebuilt before each): ~6 s in all,
 # longer than a fork bomb's children live in the attack test (3 s)
 START_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
@@ -261,8 +262,15 @@ class RolloutRunner:
     """Starts rollout processes from a forkserver and waits for them with a timeout."""
 
     def __init__(
-        self, preload: list[str], max_workers: int = 8, registry: Path | None = None
+        self,
+        preload: list[str],
+        max_workers: int = 8,
+        registry: Path | None = None,
+        soft_preload: list[str] | None = None,
     ) -> None:
+        """`preload`: modules the forkserver imports (the env's, the agent's);
+        `soft_preload`: modules it tries to import, where a failure is the rollout's to
+        report (`jetctl.client.prewarm`)."""
         self._registry = registry
         if registry is not None:
             registry.mkdir(parents=True, exist_ok=True)
@@ -271,6 +279,7 @@ class RolloutRunner:
         # loads this process's __main__ there once (else every child re-runs it) and
         # resolves openai's lazy imports (see its docstring for the measured costs).
         os.environ[MAIN_ENV] = main_spec()
+        os.environ[SOFT_PRELOAD_ENV] = ",".join(soft_preload or [])
         self._ctx.set_forkserver_preload(
             ["openai", "jetctl.env", __name__, *preload, "jetctl.client.prewarm"]
         )

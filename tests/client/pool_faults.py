@@ -61,3 +61,12 @@ def calm_agent(task: Task, llm: LLM, session: Any) -> None:
 def bomb_agent(task: Task, llm: LLM, session: Any) -> None:
     """Leaves the forkserver unable to fork its next rollout."""
     Path(os.environ[FLAG_ENV]).touch()
+
+
+def preloaded_agent(task: Task, llm: LLM, session: Any) -> None:
+    """Fails unless the forkserver already loaded tests.client.soft_preload (inherited by
+    fork: nothing in the rollout imports it)."""
+    import sys
+
+    if "tests.client.soft_preload" not in sys.modules:
+        raise AssertionError("tests.client.soft_preload was not preloaded")

@@ -63,3 +63,27 @@ async def test_a_forkserver_killed_by_a_failed_fork_is_rebuilt_and_no_rollout_is
         assert [r.status for r in again] == ["ok"] * 3
     finally:
         runner.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_soft_preloads_load_once_and_a_broken_one_breaks_nothing() -> None:
+    """A node's soft preloads (the `module:attr` of its env_args, a dataset task's reward)
+    are loaded in the forkserver, so a rollout inherits them; one that raises at import
+    leaves the forkserver serving. `named_modules` picks them from env_args."""
+    from jetctl.client.node import named_modules
+
+    assert named_modules({"reward": "tests.client.soft_preload:LOADED", "data": "rows.jsonl",
+                          "url": "http://host:80", "n": 3}) == ["tests.client.soft_preload"]
+    stop_forkserver()  # another test's forkserver was started without these
+    runner = RolloutRunner(
+        preload=["tests.client.pool_faults"], max_workers=2,
+        soft_preload=["tests.client.soft_preload_broken", "tests.client.soft_preload"],
+    )
+    try:
+        results = await asyncio.gather(*(runner.run(_spec("preloaded_agent"), 30)
+                                         for _ in range(2)))
+        assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
+        assert runner.pool_rebuilds == 0
+    finally:
+        runner.shutdown()
+        stop_forkserver()
