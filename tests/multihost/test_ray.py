@@ -28,7 +28,7 @@ import pytest
 from jetctl.ledger import build_ledger
 from jetctl.status import finished_summary
 from tests.multihost.netns import Hosts, need_netns
-from tests.multihost.test_hosts import JETCTL, ROOT, env, status, wait_for
+from tests.multihost.test_hosts import JETCTL, ROOT, StatusWatch, env, wait_for
 
 # In CI's default tier (204 s here under the heavy lock, the swap included). `jetctl status`
 # is asked on the head, where the controller runs: there is no `ctl` host here.
@@ -60,7 +60,7 @@ models:
 tasks:
   digits:
     env: envs.digits:make_env
-    agent: agents.digits:agent
+    agent: agents.noisy:agent  # reward variance from the first group: steps at once
     model: policy
     clients: 2
     group_size: 4
@@ -143,9 +143,10 @@ def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
                                     work=tmp_path / "raywork", root=ROOT))
     up = [*JETCTL, "up", str(recipe), "--run-dir", str(run_dir)]
     controller = hosts.spawn("head", up, log=tmp_path / "up.log", env=env(), cwd=ROOT)
+    watch = StatusWatch(hosts, run_dir, tmp_path / "status.log", host="head")
     try:
         doc = wait_for(
-            lambda: (d := status(hosts, run_dir, "head")) and (d["servers"][0]["version"] or 0) >= 2
+            lambda: (d := watch()) and (d["servers"][0]["version"] or 0) >= 2
             and len(reporting(d)) == 2 and d,
             300, "training on the Ray cluster",
         )
@@ -159,7 +160,7 @@ def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
         victim = next(c for c in doc["clients"] if c["name"] == "digits-0")
         os.kill(int(victim["pid"]), signal.SIGKILL)
         restarted = wait_for(
-            lambda: (d := status(hosts, run_dir, "head")) and any(
+            lambda: (d := watch()) and any(
                 c["name"] == "digits-0" and c["restarts"] == 1 and c["pid"] != victim["pid"]
                 for c in d["clients"]) and len(reporting(d)) == 2 and d,
             120, "digits-0 restarted on Ray",
@@ -172,8 +173,9 @@ def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
         assert ray_state(hosts, namespace)["actors"] == state["actors"]
         controller = hosts.spawn("head", [*up, "--resume"], log=tmp_path / "up2.log",
                                  env=env(), cwd=ROOT)
+        watch.restart()  # nothing the killed controller said counts
         resumed = wait_for(
-            lambda: (d := status(hosts, run_dir, "head")) and len(reporting(d)) == 2 and d,
+            lambda: (d := watch()) and len(reporting(d)) == 2 and d,
             180, "the adopted actors' nodes reporting to the resumed controller",
         )
         assert reporting(resumed) == before, "adopted, not restarted"
@@ -182,11 +184,12 @@ def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
         # group of their own), then the old ones drained and their group removed
         version_at_swap = int(resumed["servers"][0]["version"] or 0)
         swap = hosts.run("head", [*JETCTL, "swap-clients", "--task", "digits", "--agent",
-                                  "agents.digits:agent", "--drop-old", "--grace", "30",
+                                  "agents.noisy:agent", "--drop-old", "--grace", "30",
                                   "--run-dir", str(run_dir)], env=env(), cwd=ROOT, timeout=300)
         assert swap.returncode == 0, swap.stdout + swap.stderr
+        watch.restart()  # what it shows from here on was asked after the swap returned
         swapped = wait_for(
-            lambda: (d := status(hosts, run_dir, "head")) and sorted(reporting(d)) == [
+            lambda: (d := watch()) and sorted(reporting(d)) == [
                 "digits-0-r1", "digits-1-r1"] and d,
             60, "the new revision's nodes reporting",
         )
@@ -201,16 +204,18 @@ def test_client_actors_run_on_the_worker_and_the_run_cleans_up(
             time.sleep(0.5)
         assert state == after_swap, f"the old actors and their placement group gone: {state}"
         trained = wait_for(
-            lambda: (d := status(hosts, run_dir, "head"))
+            lambda: (d := watch())
             and int(d["servers"][0]["version"] or 0) > version_at_swap and d,
             180, "training going on with r1",
         )
 
+        watch.stop()
         down = hosts.run("head", [*JETCTL, "down", "--run-dir", str(run_dir)], env=env(),
                          cwd=ROOT, timeout=180)
         assert down.returncode == 0, down.stdout + down.stderr
         assert controller.wait(timeout=120) == 0
     finally:
+        watch.stop()
         if controller.poll() is None:
             controller.kill()
     assert ray_state(hosts, namespace) == {"actors": [], "groups": []}, "down removed them"
