@@ -2,6 +2,7 @@
 
     jetctl chaos recipes/tiny.yaml --duration 600
     jetctl chaos recipes/tiny.yaml --duration 180 --run-dir runs/chaos-1
+    jetctl chaos recipes/tiny.yaml --duration 240 --faults 1   # one fault, then the ledger
 
 Runs the recipe like `jetctl up` (a controller in this process) while it kills servers
 (kill -9 mid-batch and mid-checkpoint) and clients (mid-rollout), blackholes and resets the
@@ -28,6 +29,10 @@ def chaos(
     duration: Annotated[float, typer.Option("--duration", help="Seconds of faults before the quiesce.")] = 600.0,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Default: runs/<run.name>-chaos-<time>.")] = None,
     grace: Annotated[float, typer.Option("--grace", help="Seconds each drain phase may take.")] = 30.0,
+    faults: Annotated[int | None, typer.Option(
+        "--faults", min=1,
+        help="Quiesce as soon as this many faults were injected (--duration still bounds the "
+             "run). Default: faults until --duration is nearly spent.")] = None,
 ) -> None:
     """Train under faults (kill -9, partitions, lost acks); print the ledger; exit 1 if unbalanced."""
     from jetctl.chaos import ChaosError, ChaosRun, run_schedule
@@ -52,7 +57,7 @@ def chaos(
 
     run = ChaosRun(recipe, rd, grace_s=grace, say=say)
     try:
-        records, ledger = run_schedule(run, duration)
+        records, ledger = run_schedule(run, duration, max_faults=faults)
     except (ChaosError, RunDirError) as e:
         fail(str(e))
     console.rule("faults")
