@@ -291,14 +291,11 @@ class Delivery:
             (dict(t.costs), t.timings.get("rollout_s")) for t in group.trajectories)[0]
 
     def _waste_recorded(self, delta: dict[str, float]) -> None:
-        """A tally the spool write took: into the node's totals (and its store, where the
-        tally is kept elsewhere)."""
-        if self._kept_in_spool:
-            self.waste.recorded(delta)
-        else:
-            if self.waste.store is not None:
-                self.waste.store.add_waste(delta)
-            self.waste.recorded(delta)
+        """A refused group's tally, once the spool recorded its end: into the node's totals
+        (the spool's write held it, unless the tally is kept elsewhere: then added there)."""
+        if not self._kept_in_spool and self.waste.store is not None:
+            self.waste.store.add_waste(delta)
+        self.waste.recorded(delta)
 
     def _probe_due(self) -> bool:
         """While the link is down, send the oldest deferred group every `probe_s` (a probe):

@@ -247,20 +247,16 @@ class ClientNode:
             log.warning("killed %d rollout(s) an earlier process of %s left running",
                         reaped, self.config.name)
         # trained nothing, costs unknown: to the waste tally in the same transaction
-        tallies: list[dict[str, float]] = []
-
-        def waste(n: int) -> dict[str, float]:
-            tallies.append(self.waste.tally(({}, None) for _ in range(n))[0])
-            return tallies[-1]
+        def unknown(n: int) -> dict[str, float]:
+            return self.waste.tally(({}, None) for _ in range(n))[0]
 
         lost = self.spool.recover_lost(
-            "the node died while this rollout ran (killed or crashed)", waste=waste)
+            "the node died while this rollout ran (killed or crashed)", waste=unknown)
         if lost:
             log.warning("%d rollouts of an earlier process of %s were lost", lost, self.config.name)
             self.stats.drop("lost", lost)
             self.metrics.dropped.labels(reason="lost").inc(lost)
-            for delta in tallies:
-                self.waste.recorded(delta)
+            self.waste.recorded(unknown(lost))
 
     async def _finish(
         self, senders: list[asyncio.Task[None]], status_task: asyncio.Task[None]
