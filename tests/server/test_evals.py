@@ -36,9 +36,9 @@ from tests.runs import ROOT, detached_run, jetctl, step_rows
 if TYPE_CHECKING:
     from jetctl.server.evals import InRunEval
 
-# Every rollout of the run imports this module in a process of its own, for `score` (the
-# env's reward, not preloaded in the node's forkserver): jetctl.server.evals (its checkpoint
-# module: torch) is imported where it is used, not here, or each rollout would load torch.
+# The run's env imports this module for `score` (its reward): the node's forkserver loads
+# it once (env_args' module:attr, jetctl.client.prewarm), so keep it light: jetctl.server.evals
+# (its checkpoint module: torch) is imported where it is used, not here.
 
 TEST_SCORES = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]  # the eval reads the first 3 (max_rows)
 EVAL_ROWS = 3
