@@ -81,6 +81,18 @@ def wait_for(run_dir: Path, what: str, ok: Any, timeout_s: float = 200) -> dict[
     raise AssertionError(f"{what} not within {timeout_s:.0f}s; rows: {rows_status(run_dir)}")
 
 
+def wait_for_restart(run_dir: Path, node: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    clients: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        clients = [c for c in (run_status(run_dir) or {}).get("clients", [])
+                   if c["name"] == node]
+        if clients and clients[0]["restarts"] >= 1:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{node} not restarted within {timeout_s:.0f}s: {clients}")
+
+
 def stored_groups(run_dir: Path) -> list[tuple[str, str]]:
     """(task_id, client revision) of every group the server stored."""
     from jetctl.server.store import GroupCodec, TrajectoryStore
@@ -109,11 +121,11 @@ def test_every_row_is_seen_once_through_a_restart_and_a_swap(tmp_path: Path) -> 
         pid = read_run_record(run_dir).clients["rows-0"].pid
         assert pid is not None, "rows-0 runs as a process: run.json has its pid"
         os.kill(pid, signal.SIGKILL)  # the controller restarts it
+        # rows-1 goes on acking while the controller notices the death, so wait for the
+        # restart itself in `jetctl status` rather than read it at one moment
+        wait_for_restart(run_dir, "rows-0")
         during = wait_for(run_dir, "12 rows acked", lambda r: r["acked"] >= 12)
         assert during["epoch"] == 0 and during["rows"] == ROWS
-        restarted = [c for c in (run_status(run_dir) or {}).get("clients", [])
-                     if c["name"] == "rows-0"]
-        assert restarted and restarted[0]["restarts"] >= 1
         jetctl("swap-clients", "--task", "rows", "--agent", "jetctl.envs.dataset:chat_agent",
                "--grace", "5", "--run-dir", str(run_dir))
         gate.touch()
