@@ -48,7 +48,7 @@ from jetctl.faults import ENDPOINT_OVERRIDE_ENV, FAULTS_FILE_ENV, write_faults_f
 from jetctl.ledger import Ledger, build_ledger
 from jetctl.netproxy import Mode, ProxyThread
 from jetctl.recipe import Recipe
-from jetctl.rundir import RunPaths, read_json
+from jetctl.rundir import RunPaths, peek_run_record, read_json, read_run_record
 
 log = logging.getLogger("jetctl.chaos")
 
@@ -143,10 +143,9 @@ class ChaosRun:
         )
         ctl.setup()  # picks the servers' ports and writes run.json; starts nothing yet
         self._ctl = ctl
-        servers = (read_json(self.paths.run_json) or {}).get("servers") or {}
         routes = []
-        for model, entry in servers.items():
-            host, _, port = str(entry["endpoint"]).rpartition(":")
+        for model, endpoint in read_run_record(self.paths.root).server_endpoints.items():
+            host, _, port = endpoint.rpartition(":")
             self.proxies[model] = ProxyThread((host, int(port)))
             routes.append(f"{model}={self.proxies[model].endpoint}")
         self._setenv(FAULTS_FILE_ENV, str(self.faults_file))
@@ -202,7 +201,8 @@ class ChaosRun:
         return read_json(self.paths.node_file(name))
 
     def client_names(self) -> list[str]:
-        return sorted((read_json(self.paths.run_json) or {}).get("clients") or {})
+        info = peek_run_record(self.paths.root)
+        return sorted(info.clients) if info is not None else []
 
     def version(self, model: str) -> int:
         info = self.server_info(model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -300,8 +301,8 @@ def read_token_for(run_dir: Path) -> str:
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any]:
-    """run.json as a raw dict (`jetctl down` and `swap-clients` still read it so; the typed
-    reader is `read_run_record`)."""
+    """run.json as a raw dict, every field the controller wrote (the tests read fields the
+    commands do not need through it; the commands read `read_run_record`)."""
     data = read_json(RunPaths(run_dir).run_json)
     if data is None:
         raise RunDirError(f"{run_dir} has no readable run.json: is it a jetctl run dir?")
@@ -423,6 +424,7 @@ class RunRecord:
     state: str  # starting | running | stopping | finished (jetctl.controller.state.RunPhase)
     controller: ControllerRecord | None  # None: no controller (a re-train, jetctl.rerun)
     trained: dict[str, TrainedRecord]  # model -> its `servers.<model>.trained`, every server
+    server_endpoints: dict[str, str]  # model -> `servers.<model>.endpoint` (host:port), once set
     clients: dict[str, ClientRecord]  # node -> its entry
     tls: dict[str, Any] | None  # jetctl.tls.TlsFiles.from_json reads it (tls imports this)
     started_at: float | None = None  # unix seconds
@@ -440,7 +442,11 @@ class RunRecord:
                 pid=_need(ctl, "pid", int, at), endpoint=_need(ctl, "endpoint", str, at),
                 create_time=_maybe(ctl, "create_time", float, at) or 0.0)
         trained: dict[str, TrainedRecord] = {}
+        endpoints: dict[str, str] = {}
         for model, entry in _entries(data, "servers", where):
+            endpoint = _maybe(entry, "endpoint", str, f"{where} (servers.{model})")
+            if endpoint:
+                endpoints[model] = endpoint
             at = f"{where} (servers.{model}.trained)"
             heard = _section(entry, "trained", at)
             trained[model] = TrainedRecord(
@@ -458,7 +464,7 @@ class RunRecord:
             run=_maybe(data, "run", str, where) or path.parent.name,
             recipe=_need(data, "recipe", str, where),
             state=_need(data, "state", str, where),
-            controller=controller, trained=trained, clients=clients,
+            controller=controller, trained=trained, server_endpoints=endpoints, clients=clients,
             tls=_section(data, "tls", where) or None,
             started_at=_maybe(data, "started_at", float, where),
             finished_at=_maybe(data, "finished_at", float, where),
@@ -474,6 +480,30 @@ def read_run_record(run_dir: Path) -> RunRecord:
     if data is None:
         raise RunDirError(f"{run_dir} has no readable run.json: is it a jetctl run dir?")
     return RunRecord.from_json(data, path)
+
+
+def peek_run_record(run_dir: Path) -> RunRecord | None:
+    """run.json typed, or None where it is missing, unreadable or lacks a field: for the
+    commands that poll a run that is starting (`up --detach`) or that may have none yet (a
+    study's trials, chaos)."""
+    try:
+        return read_run_record(run_dir)
+    except RunDirError:
+        return None
+
+
+def mark_run_finished(run_dir: Path, reason: str) -> bool:
+    """Set run.json's state to finished, with `reason` and the time, for a run whose
+    controller is gone (`jetctl down` of an orphaned run). Every other field is the
+    controller's (jetctl.controller.state writes run.json); this is the one edit made without
+    it. False where there is no run.json."""
+    path = RunPaths(Path(run_dir)).run_json
+    data = read_json(path)
+    if data is None:
+        return False
+    data.update(state="finished", stop_reason=reason, finished_at=time.time())
+    write_json_atomic(path, data)
+    return True
 
 
 @dataclass(frozen=True)

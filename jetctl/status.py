@@ -39,15 +39,12 @@ class RunFinished(RunDirError):
     """The run ended normally; its controller has exited."""
 
 
-def controller_alive(info: RunRecord | dict[str, Any]) -> bool:
+def controller_alive(info: RunRecord | None) -> bool:
     """The run's controller process runs (its pid, and its start time: a recycled pid is not
-    it). `info`: run.json as `read_run_record` reads it, or the raw dict of the commands that
-    poll a run.json still being written (jetctl.cli.up) or one that may not be there."""
-    if isinstance(info, RunRecord):
-        ctl = info.controller
-        return ctl is not None and pid_alive(ctl.pid, ctl.create_time)
-    raw = info.get("controller") or {}
-    return pid_alive(int(raw.get("pid") or 0), float(raw.get("create_time") or 0.0))
+    it). `info`: run.json as `read_run_record` reads it (None, from `peek_run_record`: no
+    run.json yet, so no controller)."""
+    ctl = info.controller if info is not None else None
+    return ctl is not None and pid_alive(ctl.pid, ctl.create_time)
 
 
 def fetch_status(run_dir: Path, timeout_s: float = 5.0) -> cpb.RunStatusReply:

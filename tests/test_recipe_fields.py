@@ -1,6 +1,6 @@
 """Every field of the recipe schema does what it says, or is refused: one row per field.
 
-`ROWS` maps each leaf field of `jetctl/recipe.py` (as `reference_fields()` names it) to how
+`ROWS` maps each leaf field of `jetctl/recipe/schema.py` (as `reference_fields()` names it) to how
 its effect is shown:
 
 * `Effect(check)`: `check` sets the field to a value other than its default, runs the code
@@ -831,7 +831,7 @@ def test_every_field_has_a_row() -> None:
     stale = [r for r in ROWS if r not in fields]
     assert not missing, (
         f"schema fields without a row in {__name__}.ROWS: {missing}; show each one's effect "
-        "or refuse it in jetctl/recipe.py until it has one"
+        "or refuse it in jetctl/recipe/ until it has one"
     )
     assert not stale, f"rows for fields the schema no longer has: {stale}"
 

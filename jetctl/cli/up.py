@@ -127,7 +127,7 @@ def _replay_from(rec: Recipe, recipe: Path, source: Path, run_dir: Path | None) 
 
 
 def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
-    from jetctl.rundir import RunPaths, read_json
+    from jetctl.rundir import RunPaths, peek_run_record
     from jetctl.status import controller_alive
 
     paths = RunPaths(run_dir)
@@ -148,9 +148,10 @@ def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
             if code is not None:
                 tail = _log_tail(paths.controller_log, offset)
                 fail(tail or f"the controller exited with code {code}; see {paths.controller_log}")
-            info = read_json(paths.run_json) or {}
-            ctl = info.get("controller") or {}
-            if ctl.get("pid") == proc.pid and info.get("state") == "running" and controller_alive(info):
+            info = peek_run_record(run_dir)  # None until the controller has written it
+            if (info is not None and info.controller is not None
+                    and info.controller.pid == proc.pid and info.state == "running"
+                    and controller_alive(info)):
                 break
             time.sleep(0.2)
         else:
@@ -256,7 +257,7 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
     from jetctl.controller.runtimes.base import Runtime
     from jetctl.controller.runtimes.process import ProcessRuntime
     from jetctl.plot import write_reward_curve
-    from jetctl.rundir import RunPaths, read_json, write_json_atomic
+    from jetctl.rundir import mark_run_finished
 
     runtimes: list[Runtime] = [ProcessRuntime(run_dir)]
     if _has_containers(run_dir):
@@ -285,13 +286,7 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
     for rt in runtimes:
         rt.prune("")
     write_reward_curve(run_dir)
-    paths = RunPaths(run_dir)
-    info = read_json(paths.run_json)
-    if info is not None:
-        info["state"] = "finished"
-        info["stop_reason"] = "jetctl down (its controller was not running)"
-        info["finished_at"] = time.time()
-        write_json_atomic(paths.run_json, info)
+    mark_run_finished(run_dir, "jetctl down (its controller was not running)")
     return len(handles)
 
 

@@ -29,7 +29,7 @@ from jetctl.research.planner import Planner
 from jetctl.research.study import Study
 from jetctl.research.trial import TrialRun, metric_value, trial_cost
 from jetctl.research.watchdog import StepLog, TrialWatchdog
-from jetctl.rundir import RunPaths, read_json
+from jetctl.rundir import RunPaths, peek_run_record
 
 log = logging.getLogger("jetctl.research")
 
@@ -226,11 +226,11 @@ class StudyRunner:
             run.events = list(frozen.user_attrs.get("events", []))
             run.resumes = int(frozen.user_attrs.get("resumes", 0))
             run.crashed_on_purpose = bool(frozen.user_attrs.get("crashed_on_purpose", False))
-            info = read_json(RunPaths(run_dir).run_json) or {}
-            if info.get("state") == "finished":
+            info = peek_run_record(run_dir)
+            if info is not None and info.state == "finished":
                 run.events.append("the study restarted; the run had finished")
-            elif controller_alive(info):
-                run.adopted_pid = int((info.get("controller") or {}).get("pid") or 0)
+            elif info is not None and info.controller is not None and controller_alive(info):
+                run.adopted_pid = info.controller.pid
                 run.events.append("the study restarted; watching the trial's live jetctl up")
             else:
                 run.events.append("the study restarted; resumed with jetctl up --resume")

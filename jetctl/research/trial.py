@@ -23,7 +23,7 @@ from pathlib import Path
 from jetctl.plot import read_task_rewards
 from jetctl.research.study import Metric
 from jetctl.research.watchdog import StepLog, TrialWatchdog
-from jetctl.rundir import RunPaths, read_json
+from jetctl.rundir import RunPaths, peek_run_record
 
 DOWN_GRACE_S = 10.0
 
@@ -96,8 +96,8 @@ class TrialRun:
         if self.adopted_pid is not None:
             if _pid_alive(self.adopted_pid):
                 return None
-            info = read_json(RunPaths(self.run_dir).run_json) or {}
-            return 0 if info.get("state") == "finished" else 1
+            info = peek_run_record(self.run_dir)
+            return 0 if info is not None and info.state == "finished" else 1
         return 0  # stopped while no process ran (a crash past its resumes, then `down`)
 
     @property

@@ -1,4 +1,4 @@
-"""In-run eval: a task's `eval: {every_steps: N}` (jetctl/recipe.py, `EvalConfig`).
+"""In-run eval: a task's `eval: {every_steps: N}` (jetctl/recipe/schema.py, `EvalConfig`).
 
 After the server checkpoints a step that is a multiple of N, it runs
 

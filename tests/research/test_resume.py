@@ -40,7 +40,8 @@ def test_a_restarted_study_adopts_the_trial_its_predecessor_left_running(tmp_pat
     run_dir = study_dir / "trials" / "0000"
     trial.set_user_attr("run_dir", str(run_dir))
     (run_dir / "metrics").mkdir(parents=True)
-    (run_dir / "run.json").write_text(json.dumps({"state": "finished"}))
+    (run_dir / "run.json").write_text(json.dumps({"recipe": str(ROOT / "recipes" / "tiny.yaml"),
+                                                  "state": "finished"}))
     rows = [{"step": s, "stepped": 1, "reward/mean": r} for s, r in ((1, 0.2), (2, 0.6), (3, 0.8))]
     (run_dir / "metrics" / "policy.steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
