@@ -71,6 +71,8 @@ def test_quickstart_is_what_the_docs_promise() -> None:
     assert policy.model == "builtin:smollm2-135m-instruct" and policy.finetune == "lora"
     assert policy.lora.r == 16 and policy.optimizer.lr == pytest.approx(5e-4)
     assert policy.dtype == "float32" and policy.generation.dtype == "auto"
+    # the freshest groups first, none more than a version old (issue 23's ablation)
+    assert (policy.train.max_staleness, policy.train.order) == (1, "newest")
     assert (task.clients, task.group_size, task.concurrency, task.sampling.max_tokens) == (
         2,
         8,
