@@ -35,6 +35,15 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Position:
+    """Where a node is in a dataset env's stream (jetctl.envs.dataset, leased row by row from
+    the controller: jetctl/client/rows.py): the epoch, and the position within its permutation."""
+
+    epoch: int
+    index: int  # position in the epoch's permutation (not a row id)
+
+
+@dataclass(frozen=True)
 class LLM:
     """Where the agent reaches the model: an OpenAI-compatible endpoint on the client node.
 

@@ -27,8 +27,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from jetctl.env import Task
-from jetctl.envs.dataset import Position
+from jetctl.env import Position, Task
 from jetctl.link import ControlLink
 from jetctl.proto._gen import control_pb2 as cpb
 

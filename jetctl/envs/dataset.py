@@ -48,22 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jetctl.env import LLM, Task
+from jetctl.env import LLM, Position, Task
 from jetctl.rewards import score
+
+FIRST_ROW = Position(0, 0)  # epoch 0, the first position of its permutation
 
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 class DatasetError(ValueError):
     """A dataset that cannot be read or used as configured; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a node is in the stream: the epoch, and the position within its permutation."""
-
-    epoch: int
-    index: int  # position in the epoch's permutation (not a row id)
 
 
 def read_rows(path: str | Path, split: str | None = None) -> list[dict[str, Any]]:
@@ -255,7 +249,7 @@ class DatasetEnv:
         return self.task(order[position.index])
 
     def shard_tasks(
-        self, index: int, nodes: int, start: Position = Position(0, 0)
+        self, index: int, nodes: int, start: Position = FIRST_ROW
     ) -> Iterator[tuple[Position, Task]]:
         """Node `index` of `nodes`: the positions `p % nodes == index` of each epoch's
         permutation, from `start` on, with the position of each (to record and resume)."""

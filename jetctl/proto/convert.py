@@ -8,14 +8,11 @@ trainer turns them into dataclasses (`group_from_pb`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jetctl.proto._gen import packed_pb2
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup
-
-if TYPE_CHECKING:
-    from jetctl.server.weights import WeightsPayload, WeightsView
 
 
 def call_to_pb(c: LLMCall) -> pb.LLMCall:
@@ -216,7 +213,24 @@ def read_weights_chunk(raw: bytes) -> ChunkView:
     )
 
 
-def weight_frames(payload: WeightsPayload | WeightsView, chunk_bytes: int) -> list[bytes]:
+class FramedWeights(Protocol):
+    """What `weight_frames` reads of a weights payload: the server's `WeightsPayload` (one
+    joined buffer) and `WeightsView` (the live tensors' segments) both are one. A protocol,
+    so the wire format imports nothing of the server."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def segments(self) -> list[memoryview]: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def adapter_config_json(self) -> str: ...
+
+
+def weight_frames(payload: FramedWeights, chunk_bytes: int) -> list[bytes]:
     """A weights payload as serialized PullWeights messages of `chunk_bytes` data each.
 
     Encoded by hand, byte for byte what `pb.WeightsChunk(...).SerializeToString()` makes

@@ -28,7 +28,11 @@ from jetctl.recipe.checks import (
     checkpoint_url_problem,
     server_host_problems,
 )
-from jetctl.server.algorithms import AlgorithmName  # the registry (imports no torch)
+
+# The algorithms train.algorithm accepts, each the name of its module in
+# jetctl/server/algorithms/ (that registry reads its names from here: the recipe is the
+# vocabulary, the server the code; a new algorithm adds its file there and its name here).
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"]
 
 
 class _Strict(BaseModel):

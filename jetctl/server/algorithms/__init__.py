@@ -7,21 +7,22 @@
     alg.advantages(rewards)         # one group's rewards -> one advantage per rollout
     alg.loss(new, old, adv, seq_index, totals)  -> (loss, LossStats)
 
-This module imports nothing heavy (the recipe takes `AlgorithmName` from it); each
-algorithm's module is imported when it is made. They share data types (base.py), not classes.
+The names are the recipe's `AlgorithmName` (jetctl/recipe/schema.py: a new algorithm adds its
+file here and its name there). This module imports nothing heavy; each algorithm's module
+is imported when it is made. They share data types (base.py), not classes.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, get_args
+
+from jetctl.recipe.schema import AlgorithmName
 
 if TYPE_CHECKING:
     from jetctl.recipe import TrainConfig
     from jetctl.server.algorithms.base import Algorithm
-
-AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"]
 
 
 def names() -> tuple[str, ...]:
