@@ -62,7 +62,7 @@ class Tracked:
     columns: tuple[str, ...]
 
 
-# what jetctl.ledger reads of a client node's spool (jetctl.client.spool) ...
+# what jetctl.run.ledger reads of a client node's spool (jetctl.client.spool) ...
 SPOOL_TABLES: Mapping[str, Tracked] = {
     "inflight": Tracked("trajectory_id", ("group_id", "model")),
     "pending": Tracked("id", ("n_trajectories", "trajectory_ids", "model")),

@@ -42,7 +42,7 @@ def test_a_runs_steps_add_up_to_its_costs_and_the_summary_shows_them(tmp_path: P
     assert costs.tasks["digits"].cpu_s == pytest.approx(costs.server_cpu_s)  # the only task
 
     # the finished run's summary: one cost line for the model
-    from jetctl.status import finished_summary, render_summary
+    from jetctl.run.status import finished_summary, render_summary
 
     rd = tmp_path / "run"
     recipe = tmp_path / "r.yaml"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.images import (
+from jetctl.controller.runtimes.images import (
     AptSource,
     ImageBuildError,
     client_requirements,

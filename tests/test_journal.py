@@ -14,8 +14,8 @@ import pytest
 from jetctl.client.spool import Spool
 from jetctl.controller.received import Received
 from jetctl.journal import JOURNAL_TABLE, PRUNE_BATCH, SPOOL_TABLES, STORE_TABLES, Journal
-from jetctl.ledger import build_ledger, ledger_from_files
 from jetctl.proto.convert import group_to_pb
+from jetctl.run.ledger import build_ledger, ledger_from_files
 from jetctl.rundir import RunPaths
 from tests.factories import make_group
 from tests.faults.test_ledger import _store, _submit

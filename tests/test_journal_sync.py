@@ -18,10 +18,10 @@ from jetctl.controller.received import Received
 from jetctl.controller.service import serve_control
 from jetctl.controller.state import RunState, server_node_name
 from jetctl.journal import JOURNAL_TABLE, PRUNE_BATCH, SPOOL_TABLES, STORE_TABLES, Journal
-from jetctl.ledger import build_ledger, ledger_from_files
 from jetctl.link import ControlLink, Identity
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import parse_recipe
+from jetctl.run.ledger import build_ledger, ledger_from_files
 from jetctl.rundir import RunPaths
 from tests.factories import make_group
 from tests.faults.test_ledger import _store, _submit

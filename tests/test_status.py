@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.run.status import RunFinished, document, fetch_status, render_progress, render_status
 from jetctl.rundir import (
     RecordError,
     RunDirError,
@@ -21,7 +22,6 @@ from jetctl.rundir import (
     update_latest_link,
     write_json_atomic,
 )
-from jetctl.status import RunFinished, document, fetch_status, render_progress, render_status
 
 pytestmark = pytest.mark.unit
 
@@ -207,7 +207,7 @@ def test_a_starting_server_shows_what_it_is_doing() -> None:
 
 def finished_run(tmp_path: Path) -> Path:
     """A run dir as a finished run leaves it: run.json, a steps log, checkpoints, a curve."""
-    from jetctl.plot import write_reward_curve
+    from jetctl.run.plot import write_reward_curve
 
     rd = tmp_path / "runs" / "t"
     recipe = tmp_path / "r.yaml"
@@ -265,8 +265,8 @@ def test_the_summary_of_a_server_on_another_host_has_what_the_controller_heard(
 
     from jetctl.controller.state import Node, Report, RunState
     from jetctl.recipe import load_recipe
+    from jetctl.run.status import finished_summary, render_summary
     from jetctl.rundir import RunPaths
-    from jetctl.status import finished_summary, render_summary
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -338,7 +338,7 @@ def test_each_tasks_staleness_is_shown_per_role() -> None:
 def test_the_ledger_line_says_balanced_first_so_a_narrow_terminal_wraps_the_counts() -> None:
     from rich.console import Console
 
-    from jetctl.status import ledger_line
+    from jetctl.run.status import ledger_line
 
     ledger = {"produced": 123456, "trained": 123000, "rejected": {"stale": 400},
               "dropped": {"timeout": 48}, "in_flight": {"spool": 8}, "balanced": True,

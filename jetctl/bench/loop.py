@@ -262,7 +262,7 @@ def run_swarm(recipe: dict[str, Any], run_dir: Path, latency_s: float, seed: int
     """`until`: SIGTERM the run (it drains: the ledger still balances) once the mean reward of
     its last WINDOW accepted groups reaches it."""
     from jetctl.costs import read_costs
-    from jetctl.ledger import build_ledger
+    from jetctl.run.ledger import build_ledger
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir.parent / f"{run_dir.name}.yaml"

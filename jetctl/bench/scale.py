@@ -222,12 +222,12 @@ def run(
     import grpc
 
     from jetctl.auth import bearer
-    from jetctl.ledger import build_ledger
     from jetctl.net import free_port, route_address
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.proto._gen import control_pb2_grpc as cgrpc
     from jetctl.proto._gen import swarm_pb2 as spb
     from jetctl.proto._gen import swarm_pb2_grpc as sgrpc
+    from jetctl.run.ledger import build_ledger
 
     token = "bench-scale-token"
     # with Ray: this host's address towards the head (loopback for a cluster on this host),

@@ -8,7 +8,7 @@ Runs the recipe like `jetctl up` (a controller in this process) while it kills s
 (kill -9 mid-batch and mid-checkpoint) and clients (mid-rollout), blackholes and resets the
 clients' links to the servers, and drops Submit replies after the commit. Then it heals,
 drains, prints each fault with its recovery time and the ledger of every trajectory id.
-Exit code 1 when anything was lost or trained twice. The logic is `jetctl.chaos`.
+Exit code 1 when anything was lost or trained twice. The logic is `jetctl.run.chaos`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def chaos(
              "run). Default: faults until --duration is nearly spent.")] = None,
 ) -> None:
     """Train under faults (kill -9, partitions, lost acks); print the ledger; exit 1 if unbalanced."""
-    from jetctl.chaos import ChaosError, ChaosRun, run_schedule
     from jetctl.cli.up import load_recipe_or_fail
+    from jetctl.run.chaos import ChaosError, ChaosRun, run_schedule
     from jetctl.rundir import RunDirError
 
     if duration < 30:
@@ -53,7 +53,7 @@ def chaos(
 
     def say(msg: str) -> None:
         console.print(msg, highlight=False, soft_wrap=True)
-        logging.getLogger("jetctl.chaos").info("%s", msg)
+        logging.getLogger("jetctl.run.chaos").info("%s", msg)
 
     run = ChaosRun(recipe, rd, grace_s=grace, say=say)
     try:

@@ -5,7 +5,7 @@
     jetctl images build web --offline-base   # the base and jetctl-web
     jetctl images list                       # the families and whether each image is built
 
-The logic (wheelhouse, debootstrap, docker build) lives in `jetctl.images`.
+The logic (wheelhouse, debootstrap, docker build) lives in `jetctl.controller.runtimes.images`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def build(
 ) -> None:
     """Build jetctl-base and jetctl-<family> for every images/<family>/Dockerfile."""
     from jetctl.controller.runtimes.docker import RuntimeUnavailable
-    from jetctl.images import ImageBuildError, build_images
+    from jetctl.controller.runtimes.images import ImageBuildError, build_images
 
     if offline_base and base:
         fail("pass --offline-base or --base IMAGE, not both")
@@ -77,7 +77,7 @@ def build(
 def list_images() -> None:
     """The image families in images/ and whether each is built."""
     from jetctl.controller.runtimes.docker import RuntimeUnavailable, docker_client
-    from jetctl.images import ImageBuildError, families
+    from jetctl.controller.runtimes.images import ImageBuildError, families
 
     try:
         fams = families()

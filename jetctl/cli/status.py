@@ -27,8 +27,7 @@ def status(
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
 ) -> None:
     """Show a run's models, tasks and clients, from its controller; a finished run's summary."""
-    from jetctl.rundir import RunDirError, find_run_dir
-    from jetctl.status import (
+    from jetctl.run.status import (
         RunFinished,
         document,
         fetch_status,
@@ -36,11 +35,12 @@ def status(
         render_status,
         render_summary,
     )
+    from jetctl.rundir import RunDirError, find_run_dir
 
     console = Console()
 
     def document_with_ledger(rd: Path) -> dict[str, Any]:
-        from jetctl.ledger import build_ledger
+        from jetctl.run.ledger import build_ledger
 
         doc = document(fetch_status(rd))
         doc["ledger"] = build_ledger(rd).summary()  # what the controller received

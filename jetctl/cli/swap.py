@@ -45,8 +45,8 @@ def swap_clients(
 
     from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.run.status import controller_alive
     from jetctl.rundir import RunDirError, find_run_dir, read_run_record, read_token_for
-    from jetctl.status import controller_alive
     from jetctl.tls import TlsFiles
 
     if not image and not agent:

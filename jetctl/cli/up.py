@@ -70,8 +70,8 @@ def up(
 ) -> None:
     """Start a run: servers, then client nodes; restart what dies; drain on Ctrl-C."""
     from jetctl.logs import install_json_log
+    from jetctl.run.status import document, finished_summary, render_progress, render_summary
     from jetctl.rundir import RunPaths
-    from jetctl.status import document, finished_summary, render_progress, render_summary
 
     rec = load_recipe_or_fail(recipe)
     if replay_from is not None:
@@ -127,8 +127,8 @@ def _replay_from(rec: Recipe, recipe: Path, source: Path, run_dir: Path | None) 
 
 
 def _detach(recipe: Path, run_dir: Path, resume: bool, grace: float) -> None:
+    from jetctl.run.status import controller_alive
     from jetctl.rundir import RunPaths, peek_run_record
-    from jetctl.status import controller_alive
 
     paths = RunPaths(run_dir)
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -218,8 +218,8 @@ def down(
 
     from jetctl.link import call_control
     from jetctl.proto._gen import control_pb2 as cpb
+    from jetctl.run.status import controller_alive
     from jetctl.rundir import RunDirError, find_run_dir, read_run_record, read_token_for
-    from jetctl.status import controller_alive
     from jetctl.tls import TlsFiles
 
     console = Console()
@@ -256,7 +256,7 @@ def stop_orphans(run_dir: Path, grace: float) -> int:
     reward curve and mark run.json finished. Returns how many nodes were running."""
     from jetctl.controller.runtimes.base import Runtime
     from jetctl.controller.runtimes.process import ProcessRuntime
-    from jetctl.plot import write_reward_curve
+    from jetctl.run.plot import write_reward_curve
     from jetctl.rundir import mark_run_finished
 
     runtimes: list[Runtime] = [ProcessRuntime(run_dir)]

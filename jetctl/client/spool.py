@@ -21,7 +21,7 @@ One sqlite file per node (`<run_dir>/spool/<node>.sqlite`, WAL, `synchronous=FUL
 * `waste`    - the node's waste tally (jetctl/costs.py `NodeWaste`): key -> summed value. A
   refused `ack`, a `dead_letter` and `recover_lost` add theirs in their own transaction.
 
-The trajectory ids are what `jetctl.ledger` balances against the servers' stores (a folded
+The trajectory ids are what `jetctl.run.ledger` balances against the servers' stores (a folded
 ack's ids are the server's to name: the ledger counts them from `outcome_totals`). Every
 row also names the model its trajectories are for (`model`; '' in spools written before
 teams, whose node served one model), so the ledger balances per model: a team task's node

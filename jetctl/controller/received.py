@@ -14,7 +14,7 @@ are dropped and rebuilt from the snapshot's puts (jetctl.journal).
     held = received.apply(name="digits-0", kind="client", journal="<uuid>", records, final)
     rows = received.rows("client")      # {journal: (name, final, {table: {key: data}})}
 
-`jetctl.ledger.build_ledger` reads this file: the ledger is built from what the controller
+`jetctl.run.ledger.build_ledger` reads this file: the ledger is built from what the controller
 received, so it balances across hosts that share no disk.
 """
 

@@ -522,7 +522,8 @@ class ResourcesConfig(_Strict):
         return value
 
 
-# what `jetctl images build` makes (jetctl/images.py): client images without torch
+# what `jetctl images build` makes (jetctl/controller/runtimes/images.py): client images
+# without torch
 SHIPPED_IMAGES = frozenset({"jetctl-base", "jetctl-web", "jetctl-code", "jetctl-api"})
 
 

@@ -216,7 +216,7 @@ class StudyRunner:
 
     def _adopt(self) -> None:
         """Trials a previous `jetctl research` left running: watch or resume them."""
-        from jetctl.status import controller_alive
+        from jetctl.run.status import controller_alive
 
         for frozen in self.ostudy.get_trials(deepcopy=False,
                                              states=(self.optuna.trial.TrialState.RUNNING,)):

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jetctl.plot import read_task_rewards
 from jetctl.research.study import Metric
 from jetctl.research.watchdog import StepLog, TrialWatchdog
+from jetctl.run.plot import read_task_rewards
 from jetctl.rundir import RunPaths, peek_run_record
 
 DOWN_GRACE_S = 10.0

@@ -21,7 +21,7 @@ most `max_buffer_bytes` of payload; a new group that would pass either is not st
 loses nothing. (A group no larger than `max_buffer_bytes` always fits an empty buffer; the
 recipe keeps it at least `limits.max_message_bytes`.)
 
-For the ledger (`jetctl.ledger`) each row keeps its trajectory ids, and two append-only
+For the ledger (`jetctl.run.ledger`) each row keeps its trajectory ids, and two append-only
 tables keep the history: `epochs` (one row per `open`, with the checkpoint version it
 resumed from) and `train_log` (group, step, epoch for every `mark_trained`). Steps of an
 epoch past the version the next epoch resumed from were lost with the crash; what survives

@@ -14,8 +14,8 @@ from jetctl.client.production import Producer, ProductionConfig
 from jetctl.client.rollout import RolloutResult, RolloutSpec
 from jetctl.client.spool import Spool
 from jetctl.client.timeline import Timeline, Turn
-from jetctl.ledger import ledger_from_files
 from jetctl.recipe import TaskConfig
+from jetctl.run.ledger import ledger_from_files
 from jetctl.rundir import RunPaths
 from jetctl.types import LLMCall
 

@@ -14,8 +14,8 @@ import pytest
 
 from jetctl.client.spool import Spool
 from jetctl.journal import SPOOL_TABLES, Journal
-from jetctl.ledger import ledger_from_files
 from jetctl.proto.convert import group_to_pb
+from jetctl.run.ledger import ledger_from_files
 from tests.factories import make_group
 from tests.faults.test_ledger import _received, _store, _submit
 

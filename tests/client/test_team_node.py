@@ -15,12 +15,12 @@ import pytest
 
 from jetctl.client.node import ClientNode, NodeConfig
 from jetctl.client.spool import Spool
-from jetctl.ledger import ledger_from_files
 from jetctl.link import ControlLink
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cpb_grpc
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.recipe import TaskConfig
+from jetctl.run.ledger import ledger_from_files
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
 
 pytestmark = pytest.mark.integration

@@ -29,8 +29,8 @@ import pytest
 
 from envs.digits.env import score
 from jetctl.auth import write_token
-from jetctl.ledger import ledger_from_files
 from jetctl.proto._gen import swarm_pb2 as pb
+from jetctl.run.ledger import ledger_from_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

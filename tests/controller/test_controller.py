@@ -19,8 +19,8 @@ from jetctl.cli.main import build_app
 from jetctl.controller.controller import Controller
 from jetctl.link import call_control
 from jetctl.proto._gen import control_pb2 as cpb
+from jetctl.run.status import document
 from jetctl.rundir import RunDirError
-from jetctl.status import document
 from tests.controller.controller_fakes import (
     FAKE_NODE,
     events,

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.plot import minutes, moving_average, read_reward_points, step_ticks, write_reward_curve
+from jetctl.run.plot import (
+    minutes,
+    moving_average,
+    read_reward_points,
+    step_ticks,
+    write_reward_curve,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -84,7 +84,7 @@ def test_status_shows_a_dataset_tasks_epoch_and_position() -> None:
     from rich.console import Console
 
     from jetctl.proto._gen import control_pb2 as cpb
-    from jetctl.status import document, tasks_table
+    from jetctl.run.status import document, tasks_table
 
     leases = RowLeases(None)
     leases.lease(call("a", want=13), lambda _: False)

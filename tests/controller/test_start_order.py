@@ -24,9 +24,9 @@ from jetctl.client.node import ClientNode, NodeConfig
 from jetctl.controller.reconcile import ControllerOptions, JetctlCommands, Reconciler
 from jetctl.controller.runtimes.base import NodeHandle, NodeSpec, NodeState, Runtime
 from jetctl.controller.state import Report, RunState
-from jetctl.ledger import build_ledger
 from jetctl.models import tokenizer_from_files
 from jetctl.recipe import TaskConfig, parse_recipe
+from jetctl.run.ledger import build_ledger
 from jetctl.rundir import RunPaths
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server, tiny_tokenizer_files
 from tests.controller.controller_fakes import wait_for

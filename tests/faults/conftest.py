@@ -1,5 +1,5 @@
 """Fixtures for the fault tests: a real run (controller in the test process, a builtin:tiny
-server and client nodes as processes on loopback) driven by `jetctl.chaos.ChaosRun`."""
+server and client nodes as processes on loopback) driven by `jetctl.run.chaos.ChaosRun`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.chaos import ChaosRun
 from jetctl.controller.runtimes.process import ProcessRuntime
-from jetctl.ledger import Ledger
+from jetctl.run.chaos import ChaosRun
+from jetctl.run.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,9 @@ import pytest
 from jetctl.client.spool import Spool, SpooledGroup
 from jetctl.controller.received import Received
 from jetctl.journal import SPOOL_TABLES, STORE_TABLES, Journal
-from jetctl.ledger import Ledger, ledger_from_files
-from jetctl.ledger import build_ledger as ledger_from_received
 from jetctl.proto.convert import group_to_pb
+from jetctl.run.ledger import Ledger, ledger_from_files
+from jetctl.run.ledger import build_ledger as ledger_from_received
 from jetctl.rundir import RunPaths
 from jetctl.server.store import GroupCodec, TrajectoryStore
 from jetctl.types import TrajectoryGroup

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from jetctl.chaos import ChaosRun
+from jetctl.run.chaos import ChaosRun
 from tests.faults.conftest import assert_nothing_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from jetctl.chaos import SERVER_RESTART_BUDGET_S, ChaosRun, checkpoint_versions
+from jetctl.run.chaos import SERVER_RESTART_BUDGET_S, ChaosRun, checkpoint_versions
 from tests.faults.conftest import assert_nothing_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.chaos import ChaosRun
+from jetctl.run.chaos import ChaosRun
 from tests.faults.conftest import assert_nothing_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

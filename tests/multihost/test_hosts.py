@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from jetctl.ledger import build_ledger, ledger_from_files
+from jetctl.run.ledger import build_ledger, ledger_from_files
+from jetctl.run.status import finished_summary
 from jetctl.rundir import RunPaths
-from jetctl.status import finished_summary
 from tests.multihost.netns import Hosts, need_netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from jetctl.ledger import build_ledger
-from jetctl.status import finished_summary
+from jetctl.run.ledger import build_ledger
+from jetctl.run.status import finished_summary
 from tests.multihost.netns import Hosts, need_netns
 from tests.multihost.test_hosts import JETCTL, ROOT, StatusWatch, env, wait_for
 

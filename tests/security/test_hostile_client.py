@@ -29,7 +29,7 @@ import pytest
 from jetctl.controller.controller import Controller
 from jetctl.controller.probe import ServerProbe
 from jetctl.controller.runtimes.base import Mount
-from jetctl.ledger import build_ledger
+from jetctl.run.ledger import build_ledger
 from tests.controller.controller_fakes import FAST, Running, wait_for, write_recipe
 from tests.controller.docker_support import (
     BASE_IMAGE,

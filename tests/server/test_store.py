@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.ledger import Ledger, LedgerError, ledger_from_files
 from jetctl.proto.convert import group_to_pb
+from jetctl.run.ledger import Ledger, LedgerError, ledger_from_files
 from jetctl.server.store import GroupCodec, GroupFacts, Put, PutResult, TrajectoryStore
 from tests.factories import make_group
 

@@ -264,7 +264,7 @@ def test_the_per_task_signal_reaches_status_and_names_the_task(tmp_path: Path) -
     from jetctl.controller.probe import status_to_dict
     from jetctl.proto._gen import control_pb2 as cpb
     from jetctl.proto._gen import swarm_pb2 as spb
-    from jetctl.status import document, render_status
+    from jetctl.run.status import document, render_status
 
     def put(rewards: tuple[float, ...], task: str) -> None:
         g = make_group(rewards=rewards, version=trainer.version, prompt=PROMPT,

@@ -84,8 +84,8 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     the steps trained, the final reward and the last checkpoint; the ledger; the curve.
     `jetctl status` shows it for a finished run and `jetctl up` ends with it."""
     from jetctl.costs import read_costs, read_node_waste
-    from jetctl.ledger import build_ledger
-    from jetctl.plot import read_run_rewards
+    from jetctl.run.ledger import build_ledger
+    from jetctl.run.plot import read_run_rewards
 
     info = read_run_record(run_dir)
     paths = RunPaths(run_dir)
@@ -531,7 +531,7 @@ def _slots(c: dict[str, Any]) -> str:
 
 
 def ledger_line(ledger: dict[str, Any]) -> Text:
-    """Totals of `jetctl.ledger` in one line: the verdict first (a narrow terminal wraps the
+    """Totals of `jetctl.run.ledger` in one line: the verdict first (a narrow terminal wraps the
     counts, not the word that matters), then where every trajectory id is (rejected,
     dropped and in flight when not 0)."""
     t = Text("ledger  ", style="bold")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]  # the checkout: images/ sits beside jetctl/
 IMAGES_DIR = REPO / "images"
 BASE_FAMILY = "base"
 IMAGE_PREFIX = "jetctl-"

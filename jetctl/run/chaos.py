@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from jetctl.faults import ENDPOINT_OVERRIDE_ENV, FAULTS_FILE_ENV, write_faults_file
-from jetctl.ledger import Ledger, build_ledger
 from jetctl.netproxy import Mode, ProxyThread
 from jetctl.recipe import Recipe
+from jetctl.run.ledger import Ledger, build_ledger
 from jetctl.rundir import RunPaths, peek_run_record, read_json, read_run_record
 
-log = logging.getLogger("jetctl.chaos")
+log = logging.getLogger("jetctl.run.chaos")
 
 SERVER_RESTART_BUDGET_S = 30.0  # builtin:tiny, kill -9 to serving again
 
