@@ -127,7 +127,7 @@ class RunPaths:
 
     @property
     def eval_dir(self) -> Path:
-        """`jetctl eval`'s figures of each checkpoint (jetctl.eval; a task's in-run eval,
+        """`jetctl eval`'s figures of each checkpoint (jetctl.run.eval; a task's in-run eval,
         jetctl.server.evals, runs it too), read by the export's model card and by
         `jetctl status`."""
         return self.root / "eval"
@@ -419,10 +419,10 @@ class RunRecord:
     """run.json (docs/CONTRACTS.md; jetctl.controller.state writes it): the fields that
     `jetctl status` and the tests read back."""
 
-    run: str  # run.name; a re-train's run.json (jetctl.rerun) has none: its dir's name
+    run: str  # run.name; a re-train's run.json (jetctl.run.rerun) has none: its dir's name
     recipe: str  # the recipe's absolute path
     state: str  # starting | running | stopping | finished (jetctl.controller.state.RunPhase)
-    controller: ControllerRecord | None  # None: no controller (a re-train, jetctl.rerun)
+    controller: ControllerRecord | None  # None: no controller (a re-train, jetctl.run.rerun)
     trained: dict[str, TrainedRecord]  # model -> its `servers.<model>.trained`, every server
     server_endpoints: dict[str, str]  # model -> `servers.<model>.endpoint` (host:port), once set
     clients: dict[str, ClientRecord]  # node -> its entry
@@ -537,7 +537,7 @@ class StepRow:
     """One row of a trainer's step log (`metrics/<model>.steps.jsonl`, written by
     jetctl.server.trainer): the figures every row has, typed; any other figure by the log's
     own name, `row["cost/usd"]`, `"eval/rows/step" in row` (the namespaced metric keys the
-    trackers get). A re-train's rows (jetctl.rerun) hold other figures: not read here."""
+    trackers get). A re-train's rows (jetctl.run.rerun) hold other figures: not read here."""
 
     step: int  # the model version after the row's batch (= optimizer steps)
     stepped: bool  # the batch made an optimizer step (one without signal makes none)

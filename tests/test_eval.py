@@ -1,4 +1,4 @@
-"""`jetctl eval` (jetctl/eval.py) on builtin:tiny: the held-out rows of each dataset task run
+"""`jetctl eval` (jetctl/run/eval.py) on builtin:tiny: the held-out rows of each dataset task run
 through the task's agent and reward with the model at each checkpoint.
 
 The first task's reward reads only the row (`score` column), so every figure is known by
@@ -20,10 +20,10 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.envs.dataset import make_env
-from jetctl.eval import difference, evaluate
 from jetctl.recipe import load_recipe
+from jetctl.run.eval import difference, evaluate
 from jetctl.server import checkpoint
-from jetctl.trained import build_model, open_source
+from jetctl.server.trained import build_model, open_source
 
 pytestmark = pytest.mark.unit
 
@@ -100,7 +100,7 @@ def test_the_figures_of_the_held_out_rows(tmp_path: Path) -> None:
 
 
 def test_the_paired_interval_by_hand() -> None:
-    from jetctl.eval import TaskFigures
+    from jetctl.run.eval import TaskFigures
 
     def figures(rewards: list[float]) -> TaskFigures:
         return TaskFigures(0, 0, sum(rewards) / 4, 0, 0, 4, 1, 0, 0, rewards)
@@ -134,7 +134,7 @@ def test_sharing_the_prompts_common_prefix_gives_the_same_replies(
 ) -> None:
     """One prefix forward repeated per row against whole left-padded prompts (greedy, a
     randomised builtin:tiny so the replies differ by row)."""
-    import jetctl.eval as ev
+    import jetctl.run.eval as ev
 
     run_dir = make_run(tmp_path)
     source = open_source(run_dir)
@@ -164,7 +164,7 @@ def test_sharing_the_prompts_common_prefix_gives_the_same_replies(
 def test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file(tmp_path: Path) -> None:
     """An in-run eval scores one task per process (`--task T --max-rows N`): the second
     task's figures join the first's in step-4.test.json, and status reads both."""
-    from jetctl.eval import latest_results, save_results
+    from jetctl.run.eval import latest_results, save_results
 
     run_dir = make_run(tmp_path)
     source = open_source(run_dir)

@@ -1,4 +1,4 @@
-"""`jetctl export` (jetctl/export.py): each exported form, loaded by transformers / peft on
+"""`jetctl export` (jetctl/run/export.py): each exported form, loaded by transformers / peft on
 their own, gives the logits of the server's model at that checkpoint.
 
 The server's side is what a restarted server holds: `load_trainable` (the trainer's model,

@@ -13,7 +13,13 @@ import pytest
 
 from jetctl.proto._gen import swarm_pb2
 from jetctl.recipe import CheckpointConfig, RecipeError, parse_recipe
-from jetctl.replay import ReplayError, read_records, replay_bundle, replay_run_step, write_bundle
+from jetctl.run.replay import (
+    ReplayError,
+    read_records,
+    replay_bundle,
+    replay_run_step,
+    write_bundle,
+)
 from jetctl.server.step import load_trainable
 from jetctl.server.trainer import Trainer
 from tests.server.trainer_support import config, make_trainer, step, submit

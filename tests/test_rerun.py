@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from jetctl.cli.main import build_app
 from jetctl.recipe import load_recipe
-from jetctl.replay import read_records
+from jetctl.run.replay import read_records
 from jetctl.rundir import RunPaths
 from jetctl.server.step import load_trainable
 from jetctl.server.store import GroupCodec, TrajectoryStore

@@ -207,7 +207,7 @@ def test_a_starting_server_shows_what_it_is_doing() -> None:
 
 def finished_run(tmp_path: Path) -> Path:
     """A run dir as a finished run leaves it: run.json, a steps log, checkpoints, a curve."""
-    from jetctl.run.plot import write_reward_curve
+    from jetctl.controller.plot import write_reward_curve
 
     rd = tmp_path / "runs" / "t"
     recipe = tmp_path / "r.yaml"

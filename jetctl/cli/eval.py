@@ -2,7 +2,7 @@
 [--samples K] [--max-rows N] [--json]`: held-out rows through the task's agent, env and
 reward.
 
-A thin entry point: the logic is in jetctl/eval.py.
+A thin entry point: the logic is in jetctl/run/eval.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typer
 from jetctl.cli.errors import fail
 
 if TYPE_CHECKING:
-    from jetctl.eval import TaskFigures
+    from jetctl.run.eval import TaskFigures
 
 
 def _f(x: float, digits: int = 3) -> str:
@@ -45,10 +45,10 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        from jetctl import eval as ev
         from jetctl.envs.dataset import DatasetError
         from jetctl.models import quiet_model_libraries
-        from jetctl.trained import TrainedError, open_source
+        from jetctl.run import eval as ev
+        from jetctl.server.trained import TrainedError, open_source
 
         labels = [c.strip() for c in checkpoint.split(",") if c.strip()]
         if not 1 <= len(labels) <= 2:
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from jetctl.eval import difference
+        from jetctl.run.eval import difference
 
         table = Table(title=f"eval ({k} samples per row)")
         for column in ("task", "checkpoint", "rows", "pass@1", f"pass@{k}", "mean reward",

@@ -1,6 +1,6 @@
 """`jetctl export RUN_DIR --out DIR [--merged | --adapter] [--model M] [--step N]`.
 
-A thin entry point: the logic is in jetctl/export.py.
+A thin entry point: the logic is in jetctl/run/export.py.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def register(app: typer.Typer) -> None:
         """Write the trained model at a checkpoint as a merged model or a PEFT adapter."""
         if merged and adapter:
             fail("pass --merged or --adapter, not both")
-        from jetctl.export import export
         from jetctl.models import quiet_model_libraries
-        from jetctl.trained import TrainedError, open_source
+        from jetctl.run.export import export
+        from jetctl.server.trained import TrainedError, open_source
 
         quiet_model_libraries()
         try:

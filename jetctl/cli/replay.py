@@ -1,7 +1,7 @@
 """`jetctl replay RUN_DIR --model M --step N`, `jetctl replay step-N.tar` and
 `jetctl bundle RUN_DIR --model M --step N --out step-N.tar`.
 
-A thin entry point: the logic is in jetctl/replay.py. Replay prints `identical` and exits 0
+A thin entry point: the logic is in jetctl/run/replay.py. Replay prints `identical` and exits 0
 when the recomputed step is bitwise the recorded one; otherwise it prints each difference
 and exits 1.
 """
@@ -22,7 +22,7 @@ def _run_parts(run_dir: Path, model: str | None) -> tuple[Any, str, Path, Path, 
     from jetctl import auth
     from jetctl.rundir import RunPaths
     from jetctl.server.checkpoint import CHECKPOINT_KEY, SignedDir
-    from jetctl.trained import TrainedError, open_source
+    from jetctl.server.trained import TrainedError, open_source
 
     try:
         source = open_source(run_dir)
@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Recompute one training step from the run's record and compare it bit for bit."""
         from jetctl.models import quiet_model_libraries
-        from jetctl.replay import ReplayError, replay_bundle, replay_run_step
+        from jetctl.run.replay import ReplayError, replay_bundle, replay_run_step
 
         quiet_model_libraries()
         try:
@@ -86,7 +86,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write one training step as a portable bundle that `jetctl replay` reads."""
         from jetctl.models import quiet_model_libraries
-        from jetctl.replay import ReplayError, write_bundle
+        from jetctl.run.replay import ReplayError, write_bundle
 
         quiet_model_libraries()
         cfg, name, store, steps_log, root = _run_parts(run_dir, model)

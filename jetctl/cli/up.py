@@ -3,7 +3,7 @@
     jetctl up recipes/arith.yaml              # foreground, live view; Ctrl-C drains and exits
     jetctl up recipes/arith.yaml --detach     # background controller; returns once it is up
     jetctl up recipes/arith.yaml --resume     # adopt the nodes of a controller that died
-    jetctl up recipes/arith.yaml --replay-from runs/arith   # re-train from the record (jetctl/rerun.py)
+    jetctl up recipes/arith.yaml --replay-from runs/arith   # re-train from the record (jetctl/run/rerun.py)
     jetctl down [--run-dir D] [--grace S]     # drain clients, then servers; wait for the end
 
 The logic lives in `jetctl.controller`; this module parses flags and draws.
@@ -100,11 +100,11 @@ def up(
 
 
 def _replay_from(rec: Recipe, recipe: Path, source: Path, run_dir: Path | None) -> None:
-    """`up --replay-from`: the recorded steps taken again (jetctl/rerun.py), one line a step,
+    """`up --replay-from`: the recorded steps taken again (jetctl/run/rerun.py), one line a step,
     a verdict per model; exit 1 when a step differs from the record."""
     from jetctl.models import quiet_model_libraries
-    from jetctl.replay import Comparison, ReplayError
-    from jetctl.rerun import default_out, retrain
+    from jetctl.run.replay import Comparison, ReplayError
+    from jetctl.run.rerun import default_out, retrain
 
     if not source.is_dir():
         fail(f"--replay-from {source}: not a run dir (pass the folder `jetctl up` made)")
@@ -254,9 +254,9 @@ def down(
 def stop_orphans(run_dir: Path, grace: float) -> int:
     """Stop a dead controller's nodes from their pid files (clients first), then write the
     reward curve and mark run.json finished. Returns how many nodes were running."""
+    from jetctl.controller.plot import write_reward_curve
     from jetctl.controller.runtimes.base import Runtime
     from jetctl.controller.runtimes.process import ProcessRuntime
-    from jetctl.run.plot import write_reward_curve
     from jetctl.rundir import mark_run_finished
 
     runtimes: list[Runtime] = [ProcessRuntime(run_dir)]

@@ -418,7 +418,7 @@ class Controller:
             self._plot_thread.join()
 
     def _write_plot(self) -> None:
-        from jetctl.run.plot import write_reward_curve
+        from jetctl.controller.plot import write_reward_curve
 
         try:
             write_reward_curve(self.run_dir)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetctl.controller.plot import read_reward_points
 from jetctl.research.study import Study
-from jetctl.run.plot import read_reward_points
 from jetctl.rundir import RunPaths
 
 

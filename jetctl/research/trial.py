@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jetctl.controller.plot import read_task_rewards
 from jetctl.research.study import Metric
 from jetctl.research.watchdog import StepLog, TrialWatchdog
-from jetctl.run.plot import read_task_rewards
 from jetctl.rundir import RunPaths, peek_run_record
 
 DOWN_GRACE_S = 10.0
@@ -132,7 +132,7 @@ def trial_cost(run_dir: Path, models: list[str]) -> tuple[float, float]:
 def metric_value(run_dir: Path, metric: Metric) -> float | None:
     """The study's metric as the run dir has it now; None before there is any data."""
     if metric.task is not None and metric.eval is not None:
-        from jetctl.eval import latest_results
+        from jetctl.run.eval import latest_results
 
         figures = latest_results(run_dir).get(metric.task)
         return None if figures is None else float(figures[metric.eval])

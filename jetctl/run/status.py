@@ -83,9 +83,9 @@ def finished_summary(run_dir: Path) -> dict[str, Any]:
     """The document of a run whose controller has exited, from the files it left: per model
     the steps trained, the final reward and the last checkpoint; the ledger; the curve.
     `jetctl status` shows it for a finished run and `jetctl up` ends with it."""
+    from jetctl.controller.plot import read_run_rewards
     from jetctl.costs import read_costs, read_node_waste
     from jetctl.run.ledger import build_ledger
-    from jetctl.run.plot import read_run_rewards
 
     info = read_run_record(run_dir)
     paths = RunPaths(run_dir)
@@ -328,7 +328,7 @@ def document(reply: cpb.RunStatusReply) -> dict[str, Any]:
     tasks = task_summary(doc)
     for task, progress in reply.rows_json.items():  # dataset tasks (jetctl.controller.rows)
         tasks.setdefault(task, {})["rows"] = json.loads(progress)
-    if reply.run_dir:  # the newest eval of each task evaluated (RUN_DIR/eval/, jetctl.eval)
+    if reply.run_dir:  # the newest eval of each task evaluated (RUN_DIR/eval/, jetctl.run.eval)
         for task, figures in _evals(Path(reply.run_dir)).items():
             tasks.setdefault(task, {})["eval"] = figures
     doc["tasks"] = tasks
@@ -641,9 +641,9 @@ def render_status(doc: dict[str, Any]) -> RenderableType:
 
 
 def _evals(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Each task's newest eval figures; jetctl.eval imported only here (it pulls the env
+    """Each task's newest eval figures; jetctl.run.eval imported only here (it pulls the env
     and rollout modules in, which the rest of the status view does without)."""
-    from jetctl.eval import latest_results
+    from jetctl.run.eval import latest_results
 
     return latest_results(run_dir)
 

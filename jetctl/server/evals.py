@@ -8,7 +8,7 @@ in a process of its own, and hands the figures to the next step row as `eval/<ta
 (`pass_at_1`, `pass_at_k`, `mean_reward`, `well_formed`, `tokens_per_answer`, `rows`,
 `failed`, `step`, `seconds`): through `Trainer.extra_scalars`, the path that reaches
 `steps.jsonl` and `run.trackers`. `jetctl eval` keeps them in RUN_DIR/eval/step-S.<split>.json
-(jetctl/eval.py), which `jetctl status` shows.
+(jetctl/run/eval.py), which `jetctl status` shows.
 
     evals = InRunEval.for_server(run_dir, model, restored_step)   # None: no task asks
     trainer.extra_scalars = evals.joined(trainer.extra_scalars)
@@ -100,7 +100,7 @@ class InRunEval:
         """The evals of the tasks `model` trains, from the recipe in the run dir's run.json
         (the one `jetctl eval` reads); None when no task asks for one, or the run dir has
         no recipe (a server started without `jetctl up`)."""
-        from jetctl.trained import TrainedError, open_source
+        from jetctl.server.trained import TrainedError, open_source
 
         try:
             recipe = open_source(run_dir).recipe

@@ -135,7 +135,7 @@ def view(model: Any, version: int) -> WeightsView:
 
 def digest(model: Any) -> str:
     """sha256 of the trainable weights laid out as safetensors without metadata, hashed in
-    place: the step log's `replay/weights_sha256` (jetctl/replay.py compares it)."""
+    place: the step log's `replay/weights_sha256` (jetctl/run/replay.py compares it)."""
     h = hashlib.sha256()
     for part in segments(trainable_state(model), metadata={}):
         h.update(part)

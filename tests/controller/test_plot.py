@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jetctl.run.plot import (
+from jetctl.controller.plot import (
     minutes,
     moving_average,
     read_reward_points,

@@ -296,7 +296,7 @@ def test_the_checkpoint_an_eval_reads_is_not_pruned_until_the_eval_ends(tmp_path
     from jetctl.recipe import load_recipe
     from jetctl.server import checkpoint
     from jetctl.server.evals import InRunEval
-    from jetctl.trained import build_model
+    from jetctl.server.trained import build_model
 
     root = tmp_path / "checkpoints" / "policy"
     model, _ = build_model(load_recipe(ROOT / "recipes" / "tiny.yaml", env={}).models["policy"])

@@ -20,7 +20,7 @@ from jetctl.auth import bearer, write_token
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import load_recipe
-from jetctl.replay import read_records, replay_run_step
+from jetctl.run.replay import read_records, replay_run_step
 from jetctl.rundir import RunPaths
 from jetctl.server.checkpoint import CHECKPOINT_KEY, SignedDir
 from tests.server.test_server_process import ROOT, TOKEN, free_port, rollout_group, stub

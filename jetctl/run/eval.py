@@ -3,7 +3,7 @@
     report = evaluate(open_source(Path("runs/word-problems")), ["base", "latest"],
                       split="test", samples=4)
 
-For each checkpoint (jetctl/trained.py: `base`, `latest`, `step-N`) the model is loaded in
+For each checkpoint (jetctl/server/trained.py: `base`, `latest`, `step-N`) the model is loaded in
 this process, and every row of the split runs `samples` times (K) through the task's own
 agent and env session, the env's reward scoring it, exactly as in training but with the
 model answering from here: the agent's `llm.client()` is an in-process stand-in for the
@@ -48,7 +48,7 @@ from jetctl.client.rollout import read_reward
 from jetctl.envs.dataset import DatasetEnv
 from jetctl.recipe import TaskConfig
 from jetctl.rewards import DEFAULT_EXTRACT, AnswerReward, RewardError, well_formed
-from jetctl.trained import Checkpoint, RunSource, TrainedError, find_checkpoint, load_at
+from jetctl.server.trained import Checkpoint, RunSource, TrainedError, find_checkpoint, load_at
 
 Z_95 = 1.96
 MIN_SHARED_PREFIX = 16  # tokens; a shorter common prefix is not worth a separate forward

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from jetctl.trained import Checkpoint, RunSource, TrainedError, find_checkpoint, load_at
+from jetctl.server.trained import Checkpoint, RunSource, TrainedError, find_checkpoint, load_at
 
 Form = Literal["adapter", "merged"]
 # the server's step-log figures a model card shows (metrics/<model>.steps.jsonl)
@@ -89,7 +89,7 @@ def _last_step_figures(source: RunSource, model: str, step: int) -> dict[str, An
 
 def _eval_lines(source: RunSource, step: int) -> list[str]:
     """A markdown table of what `jetctl eval` saved for the base model and this step."""
-    from jetctl.eval import results_path
+    from jetctl.run.eval import results_path
     from jetctl.rundir import read_json
 
     if source.run_dir is None:

@@ -3,7 +3,7 @@
 For each model of the recipe, the optimizer steps the run recorded are taken again from the
 seeded start, in order, each on the groups its step row names (`replay/group_ids`, in the
 order they were trained), read from the run's store, with the row's torch threads and
-deterministic algorithms (jetctl/replay.py's `Replayer`: the trainer's own step). No server,
+deterministic algorithms (jetctl/run/replay.py's `Replayer`: the trainer's own step). No server,
 no clients, no generation. The re-trained run is a run dir of its own (`OUT`): its
 checkpoints every `checkpoint.every_steps` and at the end, a step log whose rows name the
 groups, the loss, grad norm and weights digest re-computed, and `rerun/identical` (1.0 when
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetctl.recipe import ModelConfig, Recipe
-from jetctl.replay import (
+from jetctl.run.replay import (
     Comparison,
     Replayer,
     ReplayError,

@@ -16,7 +16,7 @@ Groups are what a task's curve counts, not steps: one step may train groups of s
 The controller calls `write_reward_curve(run_dir)` every ~30 s and when the run ends; it is
 also usable by hand:
 
-    python -c "from jetctl.run.plot import write_reward_curve; write_reward_curve('runs/latest')"
+    python -c "from jetctl.controller.plot import write_reward_curve; write_reward_curve('runs/latest')"
 """
 
 from __future__ import annotations

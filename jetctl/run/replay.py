@@ -3,7 +3,7 @@
     jetctl replay RUN_DIR --model M --step N       # the run's own store and checkpoints
     jetctl bundle RUN_DIR --model M --step N --out step-N.tar
     jetctl replay step-N.tar                        # anywhere with the base model
-    jetctl up RECIPE --replay-from RUN_DIR          # every step again (jetctl/rerun.py)
+    jetctl up RECIPE --replay-from RUN_DIR          # every step again (jetctl/run/rerun.py)
 
 A step row of `metrics/<model>.steps.jsonl` records the ids of the groups trained, in the
 order they were trained (`replay/group_ids`), the trainer's torch threads (`replay/threads`:
