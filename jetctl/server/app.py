@@ -6,11 +6,12 @@ or `jetctl server --recipe R --model M --run-dir D` without a controller (benchm
 With a controller the server gets its settings from `Control.Join` and syncs about once a
 second (jetctl.link): its advertised endpoint, the revisions it refuses and its store's
 ledger records (jetctl.journal) go to the controller; the revisions to refuse come back.
-Setup -> serve -> cleanup: load the model (LoRA-wrapped or full), resume from the last
-complete checkpoint, reload accepted-but-untrained groups, serve gRPC (+ health and
-reflection) and Prometheus /metrics, train in a thread (and run the tasks' in-run evals
-after due checkpoints, jetctl/server/evals.py). SIGTERM: stop accepting (health
-NOT_SERVING), finish the current step, checkpoint, exit 0.
+Setup -> serve -> cleanup, as `serve` reads: `build` loads the model (LoRA-wrapped or
+full), resumes from the last complete checkpoint, reloads accepted-but-untrained groups,
+serves gRPC (+ health and reflection) and Prometheus /metrics and trains in a thread (and
+runs the tasks' in-run evals after due checkpoints, jetctl/server/evals.py); `run` serves
+until SIGTERM or the controller's drain; `drain` stops accepting (health NOT_SERVING),
+finishes the current step, checkpoints, exits 0.
 
 Each phase of the start is logged as it begins (and written to `phase.json` for the live
 view); once serving, one line says where the start's time went, from the process's start:
@@ -27,8 +28,10 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,7 +48,7 @@ from jetctl.revisions import read_refused, write_refused
 from jetctl.rundir import RunPaths, write_json_atomic
 from jetctl.server.admission import Limits
 from jetctl.server.checkpoint import CHECKPOINT_KEY, SignedDir
-from jetctl.server.engines import make_engine
+from jetctl.server.engines import Engine, ServingEngine, make_engine
 from jetctl.server.evals import InRunEval
 from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
@@ -55,6 +58,9 @@ from jetctl.server.store import GroupCodec, TrajectoryStore
 from jetctl.server.trainer import Trainer
 from jetctl.tls import TlsFiles, add_port
 from jetctl.trackers import Trackers, TrackingPlan
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("jetctl.server")
 STALL_TIMEOUT_S = 900.0  # a step or generation batch running longer is a hang
@@ -117,10 +123,41 @@ def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
     return gen, train
 
 
-async def serve(opts: ServerOptions) -> int:
-    import torch
+@dataclass
+class Server:
+    """A server `build` made, serving: what `run` watches and `drain` stops, in that order."""
 
-    from jetctl.models import tokenizer_files
+    opts: ServerOptions
+    trainer: Trainer
+    engine: Engine
+    store: TrajectoryStore
+    journal: Journal  # the store's ledger records, synced to the controller
+    trackers: Trackers | None
+    evals: InRunEval | None
+    service: SwarmService
+    rpc: grpc.aio.Server
+    health_servicer: health.aio.HealthServicer
+    httpd: WSGIServer  # Prometheus /metrics
+    host: str  # advertised
+    endpoint: str  # host:port of the gRPC service
+    metrics_endpoint: str  # host:port of /metrics
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: drain
+
+
+async def serve(opts: ServerOptions) -> int:
+    """Setup -> serve -> cleanup. The exit code: 1 when the trainer failed, else 0 (a hang
+    exits 70 from `run`, at once)."""
+    server = await build(opts)
+    await run(server)
+    await drain(server)
+    return 1 if server.trainer.error is not None else 0
+
+
+async def build(opts: ServerOptions) -> Server:
+    """Every part of the server, each phase logged as it begins (`StartingPhase`), up to
+    serving: the gRPC service and /metrics bound, the engine running, the trainer too (with
+    `opts.train`), health SERVING and the endpoint file written."""
+    import torch
 
     cfg = opts.cfg
     gen_threads, train_threads = cpu_threads(cfg)
@@ -160,9 +197,7 @@ async def serve(opts: ServerOptions) -> int:
     log.info("model %s loaded in %.1fs at version %d, %d groups buffered",
              cfg.model, time.monotonic() - t0, version, buffered)
 
-    eos = tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    eos_ids, pad = _eos_and_pad(tokenizer)
     phase(f"preparing the {cfg.engine} engine")
     serving = make_engine(
         cfg, model, eos_token_ids=eos_ids, pad_token_id=pad, weights_lock=lock,
@@ -170,62 +205,22 @@ async def serve(opts: ServerOptions) -> int:
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
         threads=gen_threads,
     )
-    engine = serving.engine
-    trainer.publish = serving.publish  # None: the engine reads the trainer's own weights
-    gen = cfg.generation
-    log.info("engine %s generates %s; dtype: %s", cfg.engine,
-             "on the trainer's model" if serving.publish is None else
-             f"on its own copy ({serving.dtype.dtype or cfg.dtype} on "
-             f"{gen.device or cfg.device}), refreshed after each optimizer step",
-             serving.dtype.why)
-    take_figures = getattr(serving.engine, "take_figures", None)
-    if take_figures is not None:
-        trainer.extra_scalars = take_figures
+    _log_engine(cfg, serving)
     # tasks' `eval: {every_steps: N}`: `jetctl eval` in a child after each due checkpoint
     evals = InRunEval.for_server(opts.run_dir, opts.name, version) if opts.train else None
+    # the engine starts at the restored version (a replica copies the restored weights), so
+    # it is built after the trainer, which gets its hooks here
+    trainer.attach_engine(serving.publish, _step_figures(serving.engine, evals))
     if evals is not None:
-        trainer.extra_scalars = evals.joined(trainer.extra_scalars)
         evals.start()
-    vocab = int(model.get_input_embeddings().weight.shape[0])
     phase("preparing the service")
-    service = SwarmService(
-        model_name=opts.name,
-        model_source=cfg.model,
-        limits=Limits(
-            model=opts.name, vocab_size=vocab,
-            max_context_tokens=cfg.generation.max_context_tokens,
-            max_staleness=cfg.train.max_staleness,
-        ),
-        max_new_tokens=cfg.generation.max_new_tokens,
-        max_message_bytes=cfg.limits.max_message_bytes,
-        engine=engine, store=store, trainer=trainer, metrics=metrics,
-        groups_per_step=cfg.train.groups_per_step,
-        tokenizer_files=tokenizer_files(tokenizer),  # the loaded one: not read again
-        chat_template=tokenizer.chat_template or "",
-        eos_token_ids=eos_ids,
-        max_queued_generates=cfg.limits.max_queued_generates,
-    )
-
-    interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name,
-                                     revoked=lambda node: node in service.revoked_nodes)]
-    if faults.configured:  # an interceptor costs every call, even one that does nothing
-        interceptors.append(drop_ack_interceptor(faults))
-    server = grpc_server(cfg.limits, interceptors)
-    server.add_generic_rpc_handlers((service.handler(),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    service = _swarm_service(opts, model, tokenizer, serving.engine, store, trainer, metrics,
+                             eos_ids)
+    rpc, health_servicer = _grpc_service(opts, service, faults)
     phase("starting the gRPC service")
-    port = add_port(server, f"{cfg.host}:{opts.port}", opts.tls)
-    if port == 0:
-        raise SystemExit(f"cannot bind {cfg.host}:{opts.port}")
-    for also in listen_also(cfg.host):  # the run's docker network (runtimes/docker.py)
-        if not add_port(server, f"{also}:{port}", opts.tls):
-            raise SystemExit(f"cannot bind {also}:{port} ({LISTEN_ALSO_ENV})")
-    await server.start()
-    engine.start()
+    port = _bind(rpc, opts)
+    await rpc.start()
+    serving.engine.start()
 
     from prometheus_client import start_http_server
 
@@ -247,76 +242,179 @@ async def serve(opts: ServerOptions) -> int:
              endpoint, metrics_port)
     phase("serving")
     log.info("%s", phase.summary())
-    who = Identity(name=f"server-{opts.name}", kind="server", model=opts.name)
-    stop = asyncio.Event()
+    return Server(
+        opts=opts, trainer=trainer, engine=serving.engine, store=store, journal=journal,
+        trackers=trackers, evals=evals, service=service, rpc=rpc,
+        health_servicer=health_servicer, httpd=httpd, host=host, endpoint=endpoint,
+        metrics_endpoint=metrics_endpoint,
+    )
 
-    async def sync(final: bool = False) -> None:
-        """Tell the controller where this server is, what it refuses, what its store did."""
-        if opts.link is None:
-            # swap-clients --drop-old without a controller: the file (jetctl/revisions.py)
-            service.refused_revisions = read_refused(opts.run_dir, opts.name)
-            return
-        status = {"state": "exited" if final else "running", "version": trainer.version,
-                  "pid": os.getpid(), "address": host}
-        reply = await opts.link.sync(
-            who, status=status, journal=journal, endpoint=endpoint, metrics=metrics_endpoint,
-            refused=service.refused_revisions, final=final,
-        )
-        if reply is not None and not final:
-            refused = frozenset(reply.refused_revisions)
-            if refused != service.refused_revisions:
-                write_refused(opts.run_dir, opts.name, refused)  # for a restart
-                service.refused_revisions = refused
-            service.revoked_nodes = frozenset(reply.revoked_nodes)
-            if reply.drain and not stop.is_set():
-                log.info("%s", reply.message or "the controller asked this server to stop")
-                stop.set()  # as on SIGTERM: finish the step, checkpoint, exit
 
-    await sync()
+async def run(server: Server) -> None:
+    """Serve until SIGTERM or SIGINT, the controller's drain, or a failed trainer. Each tick
+    (1 s with a controller, else 2 s): the watchdog, the due evals, a sync with the
+    controller and the endpoint file."""
+    opts, trainer = server.opts, server.trainer
+    await _sync(server)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, server.stop.set)
     tick_s = 1.0 if opts.link is not None else 2.0
-    while not stop.is_set():
+    while not server.stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), timeout=tick_s)
+            await asyncio.wait_for(server.stop.wait(), timeout=tick_s)
         except asyncio.TimeoutError:
             pass
         if trainer.error is not None:
             log.error("trainer failed: %r", trainer.error)
             break
-        stalled = _stalled(trainer.busy_since, engine.busy_since, STALL_TIMEOUT_S)
+        stalled = _stalled(trainer.busy_since, server.engine.busy_since, STALL_TIMEOUT_S)
         if stalled:
             # a hang is a loud error, never a silent stall: die like a crash (everything
             # acked is durable) and let the controller restart from the last checkpoint
             log.critical("%s; exiting so the controller restarts this server", stalled)
             os._exit(70)
-        if evals is not None:
-            evals.checkpointed(trainer.figures.last_checkpoint_version)
-        await sync()
-        _write_endpoint(
-            opts, endpoint, metrics_endpoint, trainer.version, service.refused_revisions
-        )
+        if server.evals is not None:
+            server.evals.checkpointed(trainer.figures.last_checkpoint_version)
+        await _sync(server)
+        _write_endpoint(opts, server.endpoint, server.metrics_endpoint, trainer.version,
+                        server.service.refused_revisions)
 
+
+async def drain(server: Server) -> None:
+    """The ordered stop: health NOT_SERVING (no new calls), the current step finished and
+    checkpointed, the trackers flushed, then the gRPC service (5 s of grace), the engine,
+    the store and /metrics; the last sync and the link last."""
     log.info("draining: finishing the current step and checkpointing")
-    await health_servicer.enter_graceful_shutdown()
-    if evals is not None:  # a running eval is killed: its cores go to the last step
-        await asyncio.to_thread(evals.stop)
-    await asyncio.to_thread(trainer.stop)
-    if trackers is not None:
-        await asyncio.to_thread(trackers.close)
-    await server.stop(grace=5.0)
-    await engine.stop()
-    store.close()
-    httpd.shutdown()
+    await server.health_servicer.enter_graceful_shutdown()
+    if server.evals is not None:  # a running eval is killed: its cores go to the last step
+        await asyncio.to_thread(server.evals.stop)
+    await asyncio.to_thread(server.trainer.stop)
+    if server.trackers is not None:
+        await asyncio.to_thread(server.trackers.close)
+    await server.rpc.stop(grace=5.0)
+    await server.engine.stop()
+    server.store.close()
+    server.httpd.shutdown()
     try:  # the last ledger records (steps trained while draining), best effort
-        await asyncio.wait_for(sync(final=True), timeout=10.0)
+        await asyncio.wait_for(_sync(server, final=True), timeout=10.0)
     except asyncio.TimeoutError:
         log.warning("last sync with the controller timed out")
-    if opts.link is not None:
-        await opts.link.close()
-    return 1 if trainer.error is not None else 0
+    if server.opts.link is not None:
+        await server.opts.link.close()
+
+
+async def _sync(server: Server, final: bool = False) -> None:
+    """Tell the controller where this server is, what it refuses, what its store did; take
+    back the revisions to refuse, the revoked nodes and a request to drain."""
+    opts, service = server.opts, server.service
+    if opts.link is None:
+        # swap-clients --drop-old without a controller: the file (jetctl/revisions.py)
+        service.refused_revisions = read_refused(opts.run_dir, opts.name)
+        return
+    status = {"state": "exited" if final else "running", "version": server.trainer.version,
+              "pid": os.getpid(), "address": server.host}
+    reply = await opts.link.sync(
+        Identity(name=f"server-{opts.name}", kind="server", model=opts.name),
+        status=status, journal=server.journal, endpoint=server.endpoint,
+        metrics=server.metrics_endpoint, refused=service.refused_revisions, final=final,
+    )
+    if reply is not None and not final:
+        refused = frozenset(reply.refused_revisions)
+        if refused != service.refused_revisions:
+            write_refused(opts.run_dir, opts.name, refused)  # for a restart
+            service.refused_revisions = refused
+        service.revoked_nodes = frozenset(reply.revoked_nodes)
+        if reply.drain and not server.stop.is_set():
+            log.info("%s", reply.message or "the controller asked this server to stop")
+            server.stop.set()  # as on SIGTERM: finish the step, checkpoint, exit
+
+
+def _eos_and_pad(tokenizer: Any) -> tuple[list[int], int]:
+    """The tokenizer's end-of-sequence ids, and its pad id (else the first of those)."""
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    return eos_ids, pad
+
+
+def _log_engine(cfg: ModelConfig, serving: ServingEngine) -> None:
+    """What the engine generates on, in which dtype, and why."""
+    gen = cfg.generation
+    log.info("engine %s generates %s; dtype: %s", cfg.engine,
+             "on the trainer's model" if serving.publish is None else
+             f"on its own copy ({serving.dtype.dtype or cfg.dtype} on "
+             f"{gen.device or cfg.device}), refreshed after each optimizer step",
+             serving.dtype.why)
+
+
+def _step_figures(
+    engine: Engine, evals: InRunEval | None
+) -> Callable[[], dict[str, float]] | None:
+    """More figures for each step row: the engine's (`take_figures`, when it has one) and
+    the in-run evals'."""
+    take_figures: Callable[[], dict[str, float]] | None = getattr(engine, "take_figures", None)
+    return take_figures if evals is None else evals.joined(take_figures)
+
+
+def _swarm_service(
+    opts: ServerOptions, model: Any, tokenizer: Any, engine: Engine, store: TrajectoryStore,
+    trainer: Trainer, metrics: ServerMetrics, eos_ids: list[int],
+) -> SwarmService:
+    """The Swarm service over the built parts, bounded by the recipe's `limits:`."""
+    from jetctl.models import tokenizer_files
+
+    cfg = opts.cfg
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    return SwarmService(
+        model_name=opts.name,
+        model_source=cfg.model,
+        limits=Limits(
+            model=opts.name, vocab_size=vocab,
+            max_context_tokens=cfg.generation.max_context_tokens,
+            max_staleness=cfg.train.max_staleness,
+        ),
+        max_new_tokens=cfg.generation.max_new_tokens,
+        max_message_bytes=cfg.limits.max_message_bytes,
+        engine=engine, store=store, trainer=trainer, metrics=metrics,
+        groups_per_step=cfg.train.groups_per_step,
+        tokenizer_files=tokenizer_files(tokenizer),  # the loaded one: not read again
+        chat_template=tokenizer.chat_template or "",
+        eos_token_ids=eos_ids,
+        max_queued_generates=cfg.limits.max_queued_generates,
+    )
+
+
+def _grpc_service(
+    opts: ServerOptions, service: SwarmService, faults: Faults
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The gRPC server of `service`, its token check, health and reflection; not bound yet."""
+    interceptors = [auth_interceptor(opts.token, service.refuse, model=opts.name,
+                                     revoked=lambda node: node in service.revoked_nodes)]
+    if faults.configured:  # an interceptor costs every call, even one that does nothing
+        interceptors.append(drop_ack_interceptor(faults))
+    rpc = grpc_server(opts.cfg.limits, interceptors)
+    rpc.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, rpc)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), rpc
+    )
+    return rpc, health_servicer
+
+
+def _bind(rpc: grpc.aio.Server, opts: ServerOptions) -> int:
+    """Bind the gRPC port (0: any free one), and the same port on the `LISTEN_ALSO_ENV`
+    addresses; returns the port. A port it cannot bind exits with one line."""
+    host = opts.cfg.host
+    port = add_port(rpc, f"{host}:{opts.port}", opts.tls)
+    if port == 0:
+        raise SystemExit(f"cannot bind {host}:{opts.port}")
+    for also in listen_also(host):  # the run's docker network (runtimes/docker.py)
+        if not add_port(rpc, f"{also}:{port}", opts.tls):
+            raise SystemExit(f"cannot bind {also}:{port} ({LISTEN_ALSO_ENV})")
+    return port
 
 
 def check_devices(name: str, cfg: ModelConfig) -> None:

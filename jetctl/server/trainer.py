@@ -132,6 +132,19 @@ class Trainer:
             self.figures.last_checkpoint_version = restored.version
         return self.version
 
+    def attach_engine(
+        self,
+        publish: Callable[[int], float] | None,
+        extra_scalars: Callable[[], dict[str, float]] | None,
+    ) -> None:
+        """The serving engine's hooks, as `__init__` takes them, for a trainer built before
+        its engine: the server (jetctl/server/app.py) builds the engine after `resume`, since
+        the engine starts at the restored version and a replica copies the restored weights."""
+        if self._thread is not None:
+            raise RuntimeError("attach the engine before the trainer starts")
+        self.publish = publish
+        self.extra_scalars = extra_scalars
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._thread.start()
