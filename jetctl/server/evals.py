@@ -11,7 +11,7 @@ in a process of its own, and hands the figures to the next step row as `eval/<ta
 (jetctl/run/eval.py), which `jetctl status` shows.
 
     evals = InRunEval.for_server(run_dir, model, restored_step)   # None: no task asks
-    trainer.extra_scalars = evals.joined(trainer.extra_scalars)
+    trainer.attach_engine(publish, evals.joined(engine_figures))   # the step row's extras
     evals.start()
     evals.checkpointed(trainer.figures.last_checkpoint_version)   # each tick of the server
     evals.stop()

@@ -455,7 +455,7 @@ class Trainer:
     def _forget_trained_groups(self) -> None:
         """Drop the tokens of groups trained at or before the checkpoint that
         `checkpoint.keep_trained_groups` counts back to (all: none dropped). The groups after
-        it replay from it (jetctl/replay.py); a restart needs those after the newest."""
+        it replay from it (jetctl/run/replay.py); a restart needs those after the newest."""
         n = self.cfg.checkpoint.trained_groups_checkpoints
         if n is None:
             return
@@ -468,7 +468,7 @@ class Trainer:
              by_task: dict[str, tuple[int, int]],
              client_by_task: dict[str, dict[str, float]],
              waste_by_task: dict[str, dict[str, float]]) -> None:
-        # what `jetctl replay` needs (jetctl/replay.py): the batch's groups in training order,
+        # what `jetctl replay` needs (jetctl/run/replay.py): the batch's groups in training order,
         # the torch threads (CPU sums depend on them) and, with LoRA, a digest of the adapter
         # after the step (a few MB at most; full fine-tuning's weights are too big to hash
         # every step). In the log only: the trackers and on_step get the scalars.
