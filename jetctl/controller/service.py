@@ -3,7 +3,9 @@ calls to the swarm servers are probe.py's; the CLI's calls to the controller are
 `jetctl.link.call_control`.
 
 The servicer is thin: it hands each request to the `Controller` (and the nodes' `Join` and
-`Sync` to its `Hub`, hub.py). `Scale` answers UNIMPLEMENTED for now.
+`Sync` to its `Hub`, hub.py). `Scale` answers UNIMPLEMENTED for now. It knows the controller
+only as `ControlTarget`, the few calls it makes, so this module does not import controller.py
+(which imports it to start the service).
 """
 
 from __future__ import annotations
@@ -11,22 +13,43 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
 from jetctl import auth
-from jetctl.controller.hub import Refusal
-from jetctl.controller.rows import RowsCall, RowsRefused
+from jetctl.controller.hub import Hub, Refusal
+from jetctl.controller.rows import Lease, RowsCall, RowsRefused
+from jetctl.controller.swap import SwapResult
 from jetctl.net import WILDCARDS
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cgrpc
 from jetctl.tls import TlsFiles, add_port
 
-if TYPE_CHECKING:
-    from jetctl.controller.controller import Controller
-
 log = logging.getLogger("jetctl.controller")
+
+
+class ControlTarget(Protocol):
+    """What the Control service asks of the controller (controller.py's `Controller`)."""
+
+    token: str  # the run token; a node credential is checked against it too
+    refused_calls: dict[str, int]  # serve_control hands it the interceptor's counts
+
+    @property
+    def hub(self) -> Hub: ...
+
+    def revoked(self, node: str) -> bool: ...
+
+    def status(self) -> cpb.RunStatusReply: ...
+
+    def request_stop(self, reason: str, grace_s: float | None = None) -> None: ...
+
+    def swap_clients(
+        self, task: str, *, image: str | None = None, agent: str | None = None,
+        grace_s: float | None = None, drop_old: bool = False,
+    ) -> SwapResult: ...
+
+    def lease_rows(self, call: RowsCall) -> Lease: ...
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -69,7 +92,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 class ControlServicer(cgrpc.ControlServicer):
-    def __init__(self, controller: Controller, interceptor: TokenInterceptor) -> None:
+    def __init__(self, controller: ControlTarget, interceptor: TokenInterceptor) -> None:
         self._c = controller
         self._interceptor = interceptor
 
@@ -147,7 +170,7 @@ class ControlServicer(cgrpc.ControlServicer):
 
 
 def serve_control(
-    controller: Controller, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None,
+    controller: ControlTarget, token: str, host: str = "127.0.0.1", tls: TlsFiles | None = None,
     port: int = 0, also: list[str] | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the Control service on `host:port` (0: a free port; TLS when the run uses it),
