@@ -173,31 +173,7 @@ class Delivery:
         try:
             reply = await self._timed_submit([i.payload for i in batch])  # sent as stored
         except (grpc.aio.AioRpcError, EndpointNotFound) as e:
-            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                # the server refused the request whole: every group in it is invalid. With
-                # several groups, resend them one by one next time to tell which.
-                if len(batch) == 1:
-                    self._record_ack(batch[0], "invalid", f"invalid: {e.details()}")
-                    self._sent_one_by_one()
-                else:
-                    self._batch = 1
-                    self._singles_left = len(batch)
-                    for item in batch:
-                        self.spool.defer(item.id, 0.0)
-                return len(batch)
-            wait_s = retry_after_s(e)
-            if wait_s is not None:  # the server is busy, not gone: wait as long as it asks
-                log.info("submit of %d groups: %s; resending in %.1fs", len(batch),
-                         short_error(e), wait_s)
-                self.stats.busy_refusals += 1
-                for item in batch:
-                    self.spool.defer(item.id, wait_s * random.uniform(1.0, 1.5))
-                return len(batch)
-            log.warning("submit of %d groups failed: %s; will resend", len(batch), short_error(e))
-            for item in batch:
-                self.spool.defer(item.id, self._resend_delay(item.attempts))
-            if self._link_down_since is None:
-                self._link_down_since = time.monotonic()
+            self._failed(batch, e)
             return len(batch)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -231,6 +207,34 @@ class Delivery:
                 continue
             self._record_ack(item, outcome, ack.reason)
         return len(batch)
+
+    def _failed(self, batch: list[PendingGroup], e: grpc.aio.AioRpcError | EndpointNotFound) -> None:
+        """A Submit of `batch` failed: find the bad group of a request refused whole, wait
+        as long as a busy server asks, or resend later (the link may be down)."""
+        wait_s = retry_after_s(e)
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            # the server refused the request whole: every group in it is invalid. With
+            # several groups, resend them one by one next time to tell which.
+            if len(batch) == 1:
+                self._record_ack(batch[0], "invalid", f"invalid: {e.details()}")
+                self._sent_one_by_one()
+            else:
+                self._batch = 1
+                self._singles_left = len(batch)
+                for item in batch:
+                    self.spool.defer(item.id, 0.0)
+        elif wait_s is not None:  # the server is busy, not gone: wait as long as it asks
+            log.info("submit of %d groups: %s; resending in %.1fs", len(batch),
+                     short_error(e), wait_s)
+            self.stats.busy_refusals += 1
+            for item in batch:
+                self.spool.defer(item.id, wait_s * random.uniform(1.0, 1.5))
+        else:
+            log.warning("submit of %d groups failed: %s; will resend", len(batch), short_error(e))
+            for item in batch:
+                self.spool.defer(item.id, self._resend_delay(item.attempts))
+            if self._link_down_since is None:
+                self._link_down_since = time.monotonic()
 
     def _sent_one_by_one(self) -> None:
         """A Submit got its answer: once the groups of a refused request have each been

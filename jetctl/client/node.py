@@ -17,7 +17,7 @@ What one node does (docs/architecture.md sections 1, 2, 6):
    proxy serves each role by name. The controller starts a node together with its servers,
    so this usually waits out a server's start: meanwhile the node already runs rollouts
    (3), whose env sessions open while the server loads; their model calls wait in the
-   proxy until every server answered (`_WaitingProxy`). The node's state is `running` from
+   proxy until every server answered (`Proxy.serve`). The node's state is `running` from
    then on. With `inference: local` (the engine is made from the Register reply) or a
    benchmark's producer, the node registers first and starts its rollouts after.
 3. Produce (production.py): run the agent on the env's tasks, `group_size` rollouts per
@@ -33,7 +33,7 @@ spool, the counters (`NodeStats`) and the drain event. A team's node has one tra
 one delivery per model.
 
 A rollout started before the servers answered does not count that wait against its
-`rollout_timeout_s` (`_WaitingProxy.held_s`, `RolloutRunner.run(held=...)`): a server slow
+`rollout_timeout_s` (`Proxy.held_s`, `RolloutRunner.run(held=...)`): a server slow
 to start (a large model on a slow disk) delays the node's first rollouts, it does not time
 them out; an env stuck meanwhile is killed once the timeout ran after the servers answered.
 A node drained (or refused) before
@@ -63,7 +63,7 @@ from jetctl.client.concurrency import START, Governor
 from jetctl.client.delivery import Delivery, DeliveryOptions, short_error
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.production import Producer, ProductionConfig, sleep_or
-from jetctl.client.proxy import Backend, Proxy, ProxyError, Sampling, ServedModel
+from jetctl.client.proxy import Backend, Proxy, Sampling, ServedModel
 from jetctl.client.rollout import RolloutRunner, reap_leftovers
 from jetctl.client.spool import Spool
 from jetctl.client.timeline import ChatRenderer
@@ -173,7 +173,7 @@ class ClientNode:
         self.transport = self.transports[self.model]
         self.delivery = self.deliveries[self.model]
         self.producer: Any = None  # production.Producer (or a benchmark's)
-        self.proxy: _WaitingProxy | None = None
+        self.proxy: Proxy | None = None
         self.governor = (
             Governor(config.task.group_size, start=START)
             if config.task.concurrency == "auto" else None
@@ -354,8 +354,8 @@ class ClientNode:
             self._set_running()
             return True
         sampling = cfg.task.sampling
-        self.proxy = _WaitingProxy(
-            Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens)
+        self.proxy = Proxy(  # waits for serve (Register's replies) or refuse
+            None, None, Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens)
         )
         await self.proxy.start()
         if cfg.task.inference == "local":  # its engine is made from the Register reply
@@ -554,45 +554,6 @@ class ClientNode:
 
     def _write_status(self) -> None:
         write_json_atomic(self.paths.node_file(self.config.name), self.status())
-
-
-class _WaitingProxy(Proxy):
-    """The node's proxy, listening before the node registered: a rollout's model call
-    waits here until `serve` gives the proxy its models (their tokenizers come in the
-    Register replies), or gets a 503 once `refuse` says they will not come."""
-
-    def __init__(self, sampling: Sampling) -> None:
-        super().__init__({}, default_model=None, sampling=sampling)
-        self._decided = asyncio.Event()
-        self._decided_at: float | None = None  # time.monotonic() of serve / refuse
-        self._refused = ""  # why no model will be served ('': served, or not decided yet)
-
-    def held_s(self, since: float) -> float:
-        """Seconds after `since` (time.monotonic()) that calls were held here for a server
-        still starting: a rollout's timeout does not count them (RolloutRunner.run)."""
-        until = time.monotonic() if self._decided_at is None else self._decided_at
-        return max(0.0, until - since)
-
-    def serve(self, models: dict[str, ServedModel], default_model: str | None) -> None:
-        if default_model is not None and default_model not in models:
-            raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
-        self.models.update(models)
-        self.default_model = default_model
-        self._decided_at = time.monotonic()
-        self._decided.set()
-
-    def refuse(self, why: str) -> None:
-        if not self._decided.is_set():
-            self._refused = why
-            self._decided_at = time.monotonic()
-            self._decided.set()
-
-    async def complete(self, rollout_id: str, body: Any) -> dict[str, Any]:
-        await self._decided.wait()
-        if self._refused:
-            raise ProxyError(503, self._refused, type_="server_error",
-                             code="backend_unavailable")
-        return await super().complete(rollout_id, body)
 
 
 def named_modules(env_args: Mapping[str, Any]) -> list[str]:

@@ -419,7 +419,7 @@ class Producer:
             try:
                 # calls held for a server still starting do not count against the timeout
                 result = await self.runner.run(spec, cfg.task.rollout_timeout_s, reported,
-                                               held=getattr(self.proxy, "held_s", None))
+                                               held=self.proxy.held_s)
             finally:
                 timeline = self.proxy.close(rollout_id)
         calls = {role: timeline.calls_of(role) for role in self._roles}

@@ -122,16 +122,23 @@ class Proxy:
 
     def __init__(
         self,
-        models: dict[str, ServedModel],
+        models: dict[str, ServedModel] | None,
         default_model: str | None,
         sampling: Sampling = Sampling(),
     ) -> None:
         """`models`: request name -> what serves it; `default_model`: the name a request
-        without `model` gets (None: such a request is refused, as for a team's roles)."""
-        if default_model is not None and default_model not in models:
-            raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
-        self.models = models
-        self.default_model = default_model
+        without `model` gets (None: such a request is refused, as for a team's roles).
+
+        `models=None`: a node's proxy, listening before the node registered. A rollout's
+        model call waits in `complete` until `serve` gives the models (their tokenizers come
+        in the Register replies), or gets a 503 once `refuse` says they will not come."""
+        self.models: dict[str, ServedModel] = {}
+        self.default_model: str | None = None
+        self._decided = asyncio.Event()
+        self._decided_at: float | None = None  # time.monotonic() of serve / refuse
+        self._refused = ""  # why no model will be served ('': served, or not decided yet)
+        if models is not None:
+            self.serve(models, default_model)
         self.sampling = sampling
         self.timelines: dict[str, Timeline] = {}
         self._seeds: dict[str, RolloutSeeds] = {}  # rollout -> its calls' seeds (deterministic)
@@ -145,6 +152,29 @@ class Proxy:
         self._server: _NoSignalServer | None = None
         self._sock: socket.socket | None = None
         self.app = self._build_app()
+
+    def serve(self, models: dict[str, ServedModel], default_model: str | None) -> None:
+        """Answer model calls from now on, the waiting ones first."""
+        if default_model is not None and default_model not in models:
+            raise ValueError(f"default model {default_model!r} is not among {sorted(models)}")
+        self.models.update(models)
+        self.default_model = default_model
+        self._decided_at = time.monotonic()
+        self._decided.set()
+
+    def refuse(self, why: str) -> None:
+        """No model will be served (the node drained before it registered): fail the
+        waiting calls and later ones with a 503 saying `why`."""
+        if not self._decided.is_set():
+            self._refused = why
+            self._decided_at = time.monotonic()
+            self._decided.set()
+
+    def held_s(self, since: float) -> float:
+        """Seconds after `since` (time.monotonic()) that calls were held here for a server
+        still starting: a rollout's timeout does not count them (RolloutRunner.run)."""
+        until = time.monotonic() if self._decided_at is None else self._decided_at
+        return max(0.0, until - since)
 
     # ------------------------------------------------------------------ timelines
 
@@ -238,6 +268,10 @@ class Proxy:
 
     async def complete(self, rollout_id: str, body: Any) -> dict[str, Any]:
         """Handle one chat.completions request body for a rollout; returns the response body."""
+        if not self._decided.is_set():  # a node's proxy before its servers answered Register
+            await self._decided.wait()
+        if self._refused:
+            raise ProxyError(503, self._refused, type_="server_error", code="backend_unavailable")
         timeline = self.timelines.get(rollout_id)
         if timeline is None:
             raise ProxyError(

@@ -357,12 +357,12 @@ class RolloutRunner:
             try:
                 message = reader.recv()
             except (EOFError, OSError):  # its end is closed: it died (its sentinel says so too)
-                done.set_result(None)
-                return
+                message = None
             if isinstance(message, Reported):
                 reported.update(message.usd, message.timings)
             else:
-                results.append(message)
+                if message is not None:
+                    results.append(message)
                 done.set_result(None)
 
         def ended() -> None:

@@ -49,10 +49,8 @@ _TOOL_CALL_RE = re.compile(
 
 def _text(content: Any) -> str:
     """OpenAI content (str, None or a list of parts) as plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list):
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     raise ValueError(
@@ -249,14 +247,10 @@ def truncate_at_stop(
     is kept so the trajectory holds only tokens the model produced, in order.
     """
     stops = [s for s in stops if s]
-    if not stops:
-        return ids, False
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    if not any(s in text for s in stops):
-        return ids, False
-    for k in range(1, len(ids) + 1):
-        if any(s in tokenizer.decode(ids[:k], skip_special_tokens=False) for s in stops):
-            return ids[:k], True
+    if stops and any(s in tokenizer.decode(ids, skip_special_tokens=False) for s in stops):
+        for k in range(1, len(ids) + 1):  # the first prefix whose text holds a stop string
+            if any(s in tokenizer.decode(ids[:k], skip_special_tokens=False) for s in stops):
+                return ids[:k], True
     return ids, False
 
 

@@ -132,45 +132,11 @@ def _judge(
     return Verdict("accepted", "", facts)
 
 
-def check_shape(group: Any, limits: Limits) -> str:
-    """Why a `TrajectoryGroup` is too big to read element by element ('' when it is not).
-
-    Reads lengths only (of the protobuf message or of a dataclass alike)."""
-    reason = _ids_too_long(group, limits) or _too_many_trajectories(group, limits)
-    if reason:
-        return reason
-    for t in group.trajectories:
-        reason = _trajectory_shape(t, limits)
-        if reason:
-            return reason
-        for c in t.calls:
-            tokens = len(c.prompt_ids) + len(c.completion_ids)
-            if tokens > limits.max_context_tokens:
-                return f"a call of {tokens} tokens > max_context_tokens {limits.max_context_tokens}"
-    return ""
-
-
-def _ids_too_long(group: Any, limits: Limits) -> str:
-    for what, text in (("group id", group.id), ("task", group.task), ("task_id", group.task_id),
-                       ("model", group.model)):
-        if len(text) > limits.max_id_chars:
-            return f"{what} has {len(text)} characters > {limits.max_id_chars}"
-    return ""
-
-
-def _too_many_trajectories(group: Any, limits: Limits) -> str:
-    n = len(group.trajectories)
-    if n > limits.max_trajectories_per_group:
-        return f"{n} trajectories > {limits.max_trajectories_per_group}"
-    return ""
-
-
 def _trajectory_shape(t: Any, limits: Limits) -> str:
+    """Why a trajectory is too big to read (its ids' lengths or its number of calls)."""
     if max(len(t.id), len(t.group_id), len(t.client_revision)) > limits.max_id_chars:
         return f"a trajectory id, group_id or revision exceeds {limits.max_id_chars} characters"
-    if len(t.calls) > limits.max_calls_per_trajectory:
-        return f"a trajectory has {len(t.calls)} calls > {limits.max_calls_per_trajectory}"
-    return ""
+    return f"a trajectory has {len(t.calls)} calls > {limits.max_calls_per_trajectory}"
 
 
 @dataclass(frozen=True)
@@ -187,9 +153,12 @@ class _Read:
 def _read_group(g: Any, limits: Limits, version: int, values: bool = True) -> _Read:
     """One pass: the group's facts, or why it is invalid. Every length is checked before
     the elements behind it are read; token ids and logprobs only when `values`."""
-    reason = _ids_too_long(g, limits) or _too_many_trajectories(g, limits)
-    if reason:
-        return _Read(reason)
+    for what, text in (("group id", g.id), ("task", g.task), ("task_id", g.task_id),
+                       ("model", g.model)):
+        if len(text) > limits.max_id_chars:
+            return _Read(f"{what} has {len(text)} characters > {limits.max_id_chars}")
+    if len(g.trajectories) > limits.max_trajectories_per_group:
+        return _Read(f"{len(g.trajectories)} trajectories > {limits.max_trajectories_per_group}")
     gid = g.id
     if not gid:
         return _Read("group id is empty")
@@ -209,9 +178,8 @@ def _read_group(g: Any, limits: Limits, version: int, values: bool = True) -> _R
     for t in trajectories:
         # each attribute of a protobuf message is read once: a read makes a Python object
         tid, group_id, revision, calls = t.id, t.group_id, t.client_revision, t.calls
-        if max(len(tid), len(group_id), len(revision)) > limits.max_id_chars:
-            return _Read(_trajectory_shape(t, limits))
-        if len(calls) > limits.max_calls_per_trajectory:
+        if (max(len(tid), len(group_id), len(revision)) > limits.max_id_chars
+                or len(calls) > limits.max_calls_per_trajectory):
             return _Read(_trajectory_shape(t, limits))
         if not tid or tid in seen:
             return _Read(f"trajectory id {_short(tid)} is empty or repeated")

@@ -151,50 +151,45 @@ class SwarmService:
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
         with tracing.generate_handler(context):  # the caller's span's child, when traced
-            return await self._generate(raw, context)
-
-    async def _generate(
-        self, raw: bytes, context: grpc.aio.ServicerContext
-    ) -> pb.GenerateReply:
-        req = await self._parse(raw, pb.GenerateRequest, context)
-        temperature = req.temperature if req.HasField("temperature") else 1.0
-        reason = check_generate(
-            req.model, req.prompt_ids, req.max_tokens, self.limits, self.max_new_tokens,
-            temperature=temperature,
-        )
-        if reason:
-            self.refuse("invalid_generate")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
-        await self._check_engine(context)
-        prompt = list(req.prompt_ids)  # measured above, so at most max_context_tokens
-        room = self.limits.max_context_tokens - len(prompt)
-        max_tokens = min(req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
-        self._generating += 1
-        t0 = time.monotonic()
-        try:
-            result = await self.engine.generate(
-                GenRequest(
-                    prompt_ids=prompt,
-                    max_tokens=max_tokens,
-                    temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
-                    top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
-                    stop_token_ids=tuple(req.stop_token_ids),
-                    seed=req.seed if req.HasField("seed") else None,
-                )
+            req = await self._parse(raw, pb.GenerateRequest, context)
+            temperature = req.temperature if req.HasField("temperature") else 1.0
+            reason = check_generate(
+                req.model, req.prompt_ids, req.max_tokens, self.limits, self.max_new_tokens,
+                temperature=temperature,
             )
-        finally:
-            self._generating -= 1
-        # a mean over the last ~16 replies: what the retry-after of a refusal is sized by
-        self._generate_s += (time.monotonic() - t0 - self._generate_s) / 16
-        self.tokens_generated += len(result.completion_ids)
-        self.metrics.tokens_generated.inc(len(result.completion_ids))
-        return pb.GenerateReply(
-            completion_ids=result.completion_ids,
-            completion_logprobs=result.completion_logprobs,
-            model_version=result.model_version,
-            finish_reason=result.finish_reason,
-            load=self.load(),
-        )
+            if reason:
+                self.refuse("invalid_generate")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+            await self._check_engine(context)
+            prompt = list(req.prompt_ids)  # measured above, so at most max_context_tokens
+            room = self.limits.max_context_tokens - len(prompt)
+            max_tokens = min(req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
+            self._generating += 1
+            t0 = time.monotonic()
+            try:
+                result = await self.engine.generate(
+                    GenRequest(
+                        prompt_ids=prompt,
+                        max_tokens=max_tokens,
+                        temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
+                        top_p=req.top_p if 0 < req.top_p <= 1 else 1.0,
+                        stop_token_ids=tuple(req.stop_token_ids),
+                        seed=req.seed if req.HasField("seed") else None,
+                    )
+                )
+            finally:
+                self._generating -= 1
+            # a mean over the last ~16 replies: what the retry-after of a refusal is sized by
+            self._generate_s += (time.monotonic() - t0 - self._generate_s) / 16
+            self.tokens_generated += len(result.completion_ids)
+            self.metrics.tokens_generated.inc(len(result.completion_ids))
+            return pb.GenerateReply(
+                completion_ids=result.completion_ids,
+                completion_logprobs=result.completion_logprobs,
+                model_version=result.model_version,
+                finish_reason=result.finish_reason,
+                load=self.load(),
+            )
 
     async def _check_engine(self, context: grpc.aio.ServicerContext) -> None:
         """Past `max_queued_generates` calls waiting for a row of the engine, refuse the

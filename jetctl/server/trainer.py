@@ -205,7 +205,7 @@ class Trainer:
         stale: list[StoredGroup] = []
         flat: list[StoredGroup] = []
         for s in taken:
-            if s.group.lag(self.version) > tc.max_staleness:
+            if s.lag(self.version) > tc.max_staleness:  # from its facts: a stale group is not decoded
                 stale.append(s)
             elif _no_signal(s):
                 flat.append(s)
@@ -215,22 +215,22 @@ class Trainer:
                 self._note_consumed(s)
         if stale:
             self.store.mark_rejected(
-                [s.group.id for s in stale],
+                [s.id for s in stale],
                 f"stale: lag > max_staleness {tc.max_staleness} at batch time",
             )
-            self.figures.stale_at_batch += sum(len(s.group.trajectories) for s in stale)
+            self.figures.stale_at_batch += sum(s.facts.n_trajectories for s in stale)
             for s in stale:  # their costs bought nothing: the next row's waste (jetctl/costs.py)
                 tally = self._stale_waste.setdefault(s.group.task, {})
                 for t in s.group.trajectories:
                     add_waste(tally, t.costs)
         if flat:  # consumed at this version without a step (the ledger's `trained`)
-            self.store.mark_trained([s.group.id for s in flat], self.version)
+            self.store.mark_trained([s.id for s in flat], self.version)
             # what the next step's row needs of them, not the groups (a run whose groups all
             # lack signal takes no step: holding the groups grew the server ~18 KB a group)
             self._skipped += [Skipped.of(s) for s in flat]
             self.figures.skipped_groups += len(flat)
             self.figures.trained_groups += len(flat)
-            self.figures.trained_trajectories += sum(len(s.group.trajectories) for s in flat)
+            self.figures.trained_trajectories += sum(s.facts.n_trajectories for s in flat)
 
     def _close(self, batch: list[StoredGroup]) -> dict[str, float]:
         skipped, self._skipped = self._skipped, []
@@ -315,9 +315,9 @@ class Trainer:
         version_before = self.version
         memory.reset_peak(self.device)
         skipped = skipped or []
-        lags = [s.group.lag(self.version) for s in batch]
+        lags = [s.lag(self.version) for s in batch]
         for s, lag in zip(batch, lags):
-            self.figures.note_lag(s.group.task, lag)
+            self.figures.note_lag(s.facts.task, lag)
         result = train_step(
             self.model, [s.group.trajectories for s in batch], self.cfg.train, self.algorithm,
             max_grad_norm=self.cfg.optimizer.max_grad_norm,
@@ -331,7 +331,7 @@ class Trainer:
         _synchronize(self.device)  # on CUDA, the step's kernels are done: its GPU seconds
         t_train = time.monotonic() - t0
         train_cpu_s = time.thread_time() - cpu0
-        ids = [s.group.id for s in batch]
+        ids = [s.id for s in batch]
         self.store.mark_trained(ids, self.version)
         tracing.optimizer_step(self.version, [s.group for s in batch], t_train)
         publish_s = 0.0

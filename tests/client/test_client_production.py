@@ -32,6 +32,9 @@ class FakeProxy:
         self.timelines[rollout_id] = Timeline(rollout_id)
         return self.timelines[rollout_id]
 
+    def held_s(self, since: float) -> float:
+        return 0.0  # served from the start: no call waits for a server
+
     def close(self, rollout_id: str) -> Timeline:
         timeline = self.timelines.pop(rollout_id)
         call = LLMCall("policy", [1, 2], [3], [-0.5], 0)

@@ -1,7 +1,7 @@
 """A rollout whose model calls were held for a server still starting (a node starts with its
 server: issue 23) does not spend its timeout on that wait, and is still killed once its
 timeout ran after the server answered. Real rollout processes; the wait is the node's
-proxy's own figure (`_WaitingProxy.held_s`)."""
+proxy's own figure (`Proxy.held_s`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from jetctl.client.node import _WaitingProxy
-from jetctl.client.proxy import Sampling
+from jetctl.client.proxy import Proxy, Sampling
 from jetctl.client.rollout import RolloutRunner, RolloutSpec
 from jetctl.env import Task
 
@@ -43,7 +42,7 @@ async def test_the_wait_for_a_starting_server_does_not_count_against_the_timeout
 
 
 async def test_the_proxy_counts_the_seconds_it_held_calls_until_it_served() -> None:
-    proxy = _WaitingProxy(Sampling(1.0, 1.0, 16))
+    proxy = Proxy(None, None, Sampling(1.0, 1.0, 16))
     start = time.monotonic()
     await asyncio.sleep(0.2)
     assert proxy.held_s(start) >= 0.2  # still waiting: the wait so far

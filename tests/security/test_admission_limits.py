@@ -14,7 +14,6 @@ from jetctl.server.admission import (
     Limits,
     check_generate,
     check_group,
-    check_shape,
 )
 from tests.factories import make_group
 
@@ -49,10 +48,11 @@ def test_absurd_values_are_invalid(mutate: object, words: str) -> None:
 
 
 def test_shape_is_read_from_the_protobuf_before_conversion() -> None:
-    g = group_to_pb(make_group())
-    assert check_shape(g, LIMITS) == ""
+    g = group_to_pb(make_group(version=1))
+    assert check_group(g, LIMITS, version=1, refused_revisions=frozenset()).outcome == "accepted"
     g.trajectories[0].calls[0].prompt_ids.extend([1] * 1000)
-    assert "max_context_tokens" in check_shape(g, LIMITS)
+    v = check_group(g, LIMITS, version=1, refused_revisions=frozenset())
+    assert v.outcome == "invalid" and "max_context_tokens" in v.reason, v
 
 
 def test_logprob_floor_keeps_real_logprobs() -> None:
