@@ -24,7 +24,7 @@ from jetctl.recipe import parse_recipe
 from jetctl.run.ledger import build_ledger, ledger_from_files
 from jetctl.rundir import RunPaths
 from tests.factories import make_group
-from tests.faults.test_ledger import _store, _submit
+from tests.run.test_ledger import _store, _submit
 
 pytestmark = pytest.mark.integration
 

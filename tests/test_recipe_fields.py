@@ -693,10 +693,10 @@ ROWS: dict[str, Row] = {
         "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
     )),
     "models.<name>.checkpoint.keep_trained_groups": CoveredBy((
-        "tests/test_replay.py::test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported",
-        "tests/test_replay.py::test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay",
-        "tests/test_replay.py::test_keeping_groups_beyond_the_checkpoints_kept_is_refused",
-        "tests/test_rerun.py::test_a_run_whose_groups_were_dropped_is_refused_with_the_setting",
+        "tests/run/test_replay.py::test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported",
+        "tests/run/test_replay.py::test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay",
+        "tests/run/test_replay.py::test_keeping_groups_beyond_the_checkpoints_kept_is_refused",
+        "tests/run/test_rerun.py::test_a_run_whose_groups_were_dropped_is_refused_with_the_setting",
     )),
     "models.<name>.generation.max_batch_size": CoveredBy(
         ("tests/server/test_engine_batching.py::test_no_decode_step_holds_more_than_max_batch_size",)),
@@ -813,11 +813,11 @@ ROWS: dict[str, Row] = {
     )),
     "tasks.<name>.eval.samples": CoveredBy((
         f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
-        "tests/test_eval.py::test_the_figures_of_the_held_out_rows",
+        "tests/run/test_eval.py::test_the_figures_of_the_held_out_rows",
     )),
     "tasks.<name>.eval.max_rows": CoveredBy((
         f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",
-        "tests/test_eval.py::test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file",
+        "tests/run/test_eval.py::test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file",
     )),
     "tasks.<name>.eval.timeout_s": CoveredBy(
         (f"{EVALS}::test_an_eval_past_its_timeout_is_killed_and_counted",)),

@@ -236,7 +236,7 @@ class Runner:
         message and worked examples every row shares) is computed once and its KV cache
         repeated for each row; each row is `prefix + left padding + its own suffix` (the
         attention mask skips the padding; positions come from the mask). The same replies as
-        padding whole prompts (tests/test_eval.py compares them greedily; on SmolLM2 the
+        padding whole prompts (tests/run/test_eval.py compares them greedily; on SmolLM2 the
         first step's logits differed by 3e-5 at most, float32 rounding of other shapes)."""
         import torch
         from transformers import DynamicCache, GenerationConfig

@@ -13,7 +13,7 @@
   same way. Weights keep the recipe's `dtype`.
 
 Both get a README.md model card: the recipe, the model, the step, the last training figures
-from the server's step log and how to load the folder. tests/test_export.py checks that each
+from the server's step log and how to load the folder. tests/run/test_export.py checks that each
 form's logits equal the server's model at that step within 1e-5 in float32.
 
 Left out: quantized exports (GGUF, AWQ) and pushing to a hub.

@@ -17,7 +17,7 @@ from jetctl.journal import SPOOL_TABLES, Journal
 from jetctl.proto.convert import group_to_pb
 from jetctl.run.ledger import ledger_from_files
 from tests.factories import make_group
-from tests.faults.test_ledger import _received, _store, _submit
+from tests.run.test_ledger import _received, _store, _submit
 
 pytestmark = pytest.mark.unit
 

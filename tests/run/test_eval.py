@@ -38,13 +38,13 @@ tasks:
     agent: jetctl.envs.dataset:chat_agent
     model: policy
     sampling: {{temperature: 0.0, max_tokens: 6}}
-    env_args: {{path: {data}, test_fraction: 0.25, reward: "tests.test_eval:row_score"}}
+    env_args: {{path: {data}, test_fraction: 0.25, reward: "tests.run.test_eval:row_score"}}
   lengths:
     env: jetctl.envs.dataset:make_env
     agent: jetctl.envs.dataset:chat_agent
     model: policy
     sampling: {{temperature: 0.0, max_tokens: 6}}
-    env_args: {{path: {data}, test_fraction: 0.25, reward: "tests.test_eval:reply_length"}}
+    env_args: {{path: {data}, test_fraction: 0.25, reward: "tests.run.test_eval:reply_length"}}
 """
 SCORES = [1.0, 0.0, 0.5, -1.0] * 6  # -1: the reward raises
 

@@ -19,7 +19,7 @@ from jetctl.controller.runtimes.images import (
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_client_image_needs_no_torch_but_keeps_the_client_stack() -> None:
