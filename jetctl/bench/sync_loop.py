@@ -9,8 +9,9 @@ agent, sampling and optimizer as the recipe's task:
         run round_groups x G rollouts of the real agent (2 x G by default: the issue's
         reference loop, whatever the recipe's groups_per_step), each in a thread, against an
         in-process OpenAI-style client; the calls they make are answered together by one
-        left-padded `model.generate` per turn over the whole batch (the chat template is
-        rendered once per distinct conversation: a group's G first calls share one);
+        left-padded `model.generate` per turn over the whole batch (the turn barrier of
+        jetctl/turns.py, as `jetctl eval` does; the chat template is rendered once per
+        distinct conversation: a group's G first calls share one);
         environment answers run in parallel (where `generation.dtype` asks for another dtype,
         or `auto` picks one on this host, generation runs on a copy in that dtype refreshed
         after each step, as the swarm's engine does)
@@ -47,6 +48,8 @@ from typing import Any
 
 import torch
 
+from jetctl.turns import TurnBarrier
+
 T0 = time.monotonic()  # the process started (model loading counts against the loop too)
 
 
@@ -76,37 +79,6 @@ class _Call:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"
-
-
-class _Batcher:
-    """Rollout threads park their model calls here; the main thread answers them all at once
-    when every live rollout is parked (one generate per turn of the batch)."""
-
-    def __init__(self, rollouts: int) -> None:
-        self._cond = threading.Condition()
-        self._pending: list[_Call] = []
-        self._live = rollouts
-
-    def ask(self, call: _Call) -> _Call:
-        with self._cond:
-            self._pending.append(call)
-            self._cond.notify_all()
-        call.done.wait()
-        return call
-
-    def finished(self) -> None:
-        with self._cond:
-            self._live -= 1
-            self._cond.notify_all()
-
-    def next_turn(self) -> list[_Call] | None:
-        """The calls of the next turn, once every live rollout waits; None when all ended."""
-        with self._cond:
-            self._cond.wait_for(lambda: len(self._pending) == self._live)
-            if self._live == 0:
-                return None
-            calls, self._pending = self._pending, []
-            return calls
 
 
 class _Completions:
@@ -237,7 +209,7 @@ class SyncLoop:
         eos = self.tokenizer.eos_token_id
         self.eos = [eos] if isinstance(eos, int) else list(eos)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
-        self.batcher = _Batcher(0)
+        self.batcher: TurnBarrier[_Call] = TurnBarrier(0)
         self._rendered: dict[str, list[int]] = {}  # conversation -> prompt ids, one round
         self._render_lock = threading.Lock()
         self.version = 0
@@ -282,7 +254,7 @@ class SyncLoop:
         groups = [[_Rollout(t) for _ in range(G)] for t in (next(self.tasks) for _ in range(n_groups))]
         flat = [r for g in groups for r in g]
         self._rendered = {}
-        self.batcher = _Batcher(len(flat))
+        self.batcher = TurnBarrier(len(flat))
         threads = [threading.Thread(target=self._run_rollout, args=(r,), daemon=True) for r in flat]
         for t in threads:
             t.start()

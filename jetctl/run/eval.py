@@ -7,9 +7,9 @@ For each checkpoint (jetctl/server/trained.py: `base`, `latest`, `step-N`) the m
 this process, and every row of the split runs `samples` times (K) through the task's own
 agent and env session, the env's reward scoring it, exactly as in training but with the
 model answering from here: the agent's `llm.client()` is an in-process stand-in for the
-OpenAI client whose calls are parked until every live rollout has made one, then answered
-by one left-padded `model.generate` (the recipe's `sampling:` fills what the agent leaves
-out). Nothing is sent to a server or trained.
+OpenAI client whose calls are parked until every live rollout has made one (the turn barrier,
+jetctl/turns.py), then answered by one left-padded `model.generate` (the recipe's `sampling:`
+fills what the agent leaves out). Nothing is sent to a server or trained.
 
 Figures per task and checkpoint (rows n, K samples each, reward r, "correct": r >= 1):
 
@@ -49,6 +49,7 @@ from jetctl.envs.dataset import DatasetEnv
 from jetctl.recipe import TaskConfig
 from jetctl.rewards import DEFAULT_EXTRACT, AnswerReward, RewardError, well_formed
 from jetctl.server.trained import Checkpoint, RunSource, TrainedError, find_checkpoint, load_at
+from jetctl.turns import TurnBarrier
 
 Z_95 = 1.96
 MIN_SHARED_PREFIX = 16  # tokens; a shorter common prefix is not worth a separate forward
@@ -63,36 +64,6 @@ class _Call:
     top_p: float
     done: threading.Event = field(default_factory=threading.Event)
     completion_ids: list[int] = field(default_factory=list)
-
-
-class _Batcher:
-    """Rollout threads park their model calls here; the main thread answers them together
-    once every live rollout is parked."""
-
-    def __init__(self, rollouts: int) -> None:
-        self._cond = threading.Condition()
-        self._pending: list[_Call] = []
-        self._live = rollouts
-
-    def ask(self, call: _Call) -> _Call:
-        with self._cond:
-            self._pending.append(call)
-            self._cond.notify_all()
-        call.done.wait()
-        return call
-
-    def finished(self) -> None:
-        with self._cond:
-            self._live -= 1
-            self._cond.notify_all()
-
-    def next_turn(self) -> list[_Call] | None:
-        with self._cond:
-            self._cond.wait_for(lambda: len(self._pending) == self._live)
-            if self._live == 0:
-                return None
-            calls, self._pending = self._pending, []
-            return calls
 
 
 @dataclass
@@ -175,7 +146,7 @@ class Runner:
         self.eos = [eos] if isinstance(eos, int) else list(eos)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         self.seed = seed
-        self.batcher = _Batcher(0)
+        self.batcher: TurnBarrier[_Call] = TurnBarrier(0)
 
     def _answer(self, rollout: _Rollout) -> Callable[[list[dict[str, Any]], dict[str, Any]], Any]:
         def answer(messages: list[dict[str, Any]], kw: dict[str, Any]) -> Any:
@@ -221,7 +192,7 @@ class Runner:
             self.batcher.finished()
 
     def run(self, env: DatasetEnv, agent: Callable[..., Any], rollouts: list[_Rollout]) -> None:
-        self.batcher = _Batcher(len(rollouts))
+        self.batcher = TurnBarrier(len(rollouts))
         threads = [threading.Thread(target=self._run_one, args=(env, agent, r), daemon=True)
                    for r in rollouts]
         for t in threads:
