@@ -46,6 +46,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import os
+import resource
 import signal
 import time
 import traceback
@@ -189,8 +190,12 @@ def child_main(spec: RolloutSpec, conn: multiprocessing.connection.Connection) -
             status="failed", error=text, error_type=type(e).__name__, timings=timings,
             usd=spent(session),
         )
-    cpu = os.times()  # a forked child's counters start at 0; with the children it waited for
-    result.timings["cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+    # a forked child's counters start at 0; with the children it waited for. getrusage, not
+    # os.times: its clock ticks (10 ms) round a short rollout's CPU down to 0
+    result.timings["cpu_s"] = sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF),
+                      resource.getrusage(resource.RUSAGE_CHILDREN)))
     tracing.rollout_process(spec.traceparent, t0, result.timings, steps)
     conn.send(result)
     conn.close()
