@@ -5,9 +5,15 @@ its effect is shown:
 
 * `Effect(check)`: `check` sets the field to a value other than its default, runs the code
   that reads it, and asserts what a user would see change (a cheap check, here);
-* `CoveredBy(tests)`: tests elsewhere set the field and assert its effect (they need real
-  processes, a docker engine or a browser); the row checks that each named test exists and
-  that its file sets the field.
+* `CoveredBy(tests)`: tests elsewhere set the field through a recipe and assert its effect
+  (they need real processes, a docker engine, Ray or network namespaces); the row checks that
+  each named test exists and that its file names the field, and that one of those files (or
+  a recipe file they run, `recipes`) sets its whole key path (`limits:` and
+  `max_buffer_groups:`, not only the last key);
+* `CoveredBy(tests, weak=why)`: the named tests show the effect but hand the value to its
+  consumer directly (`TaskConfig(...)`, `LimitsConfig(...)`), or set it through a recipe
+  without an assert that its being ignored would fail; `why` says which. A gap, kept in view:
+  such a row wants a check that sets the field in a recipe.
 
 A refused value (e.g. `engine: vllm` where vllm is not importable) is part of a field's row.
 `test_every_field_has_a_row` fails on a schema field without a row, so a new field cannot
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -61,10 +68,12 @@ class Effect:
 @dataclass(frozen=True)
 class CoveredBy:
     tests: tuple[str, ...]  # "tests/file.py::test_name"
+    recipes: tuple[str, ...] = ()  # recipe files those tests run, where the field is set
+    weak: str = ""  # why none of them sets the field through a recipe and shows its effect
 
 
-def recipe(**parts: Any) -> Any:
-    """GOOD with `parts` merged in: recipe(models={"policy": {"seed": 3}})."""
+def recipe_text(**parts: Any) -> str:
+    """GOOD with `parts` merged in, as YAML: recipe_text(models={"policy": {"seed": 3}})."""
     data = yaml.safe_load(yaml.safe_dump(GOOD))
     for key, value in parts.items():
         if key == "run":
@@ -72,7 +81,17 @@ def recipe(**parts: Any) -> Any:
         else:  # models / tasks: one mapping of fields per name
             for name, fields in value.items():
                 data[key].setdefault(name, {}).update(fields)
-    return parse_recipe(yaml.safe_dump(data), file="r.yaml", env={})
+    return yaml.safe_dump(data)
+
+
+def recipe(**parts: Any) -> Any:
+    """GOOD with `parts` merged in, parsed: recipe(models={"policy": {"seed": 3}})."""
+    return parse_recipe(recipe_text(**parts), file="r.yaml", env={})
+
+
+def policy(**fields: Any) -> ModelConfig:
+    """models.policy of GOOD with `fields` set, parsed as the server gets it."""
+    return recipe(models={"policy": fields}).models["policy"]
 
 
 def refused(message: str, **parts: Any) -> None:
@@ -486,6 +505,416 @@ def model_seed(_: Path) -> None:
     assert torch.equal(lora_a(3), lora_a(3)) and not torch.equal(lora_a(3), lora_a(4))
 
 
+# ------------------------------------- the parsed recipe's model, in the server's own parts
+
+
+def lora_dropout(_: Path) -> None:
+    """The trainer's view of the adapter (adapter_mode train) drops inputs only with dropout."""
+    from jetctl.server.adapter import adapter_mode
+    from tests.server.test_adapter import logprobs, microbatch
+
+    def two_trainer_views(**lora: Any) -> list[torch.Tensor]:
+        model = load(policy(lora=lora))
+        with torch.no_grad():  # a trained adapter: lora_B starts at zero, hiding the rest
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.5)
+        mb = microbatch()
+        with adapter_mode("train"):
+            return [logprobs(model, mb) for _ in range(2)]
+
+    assert torch.equal(*two_trainer_views())  # the default, 0.0
+    assert not torch.equal(*two_trainer_views(dropout=0.5))
+
+
+def trainer_of(tmp_path: Path, **fields: Any) -> Any:
+    """A Trainer (tests/server/trainer_support.py) on models.policy of GOOD with `fields`,
+    one group per step."""
+    train = {"groups_per_step": 1, **fields.pop("train", {})}
+    return make_trainer(tmp_path, policy(train=train, **fields))
+
+
+def train_order(tmp_path: Path) -> None:
+    """Groups made at versions 3, 5 and 4 wait while the trainer is at 5: oldest trains them
+    in arrival order, newest the highest version first."""
+    from tests.server.trainer_support import step, submit
+
+    def made_at(name: str, **train: Any) -> list[int]:
+        trainer = trainer_of(tmp_path / name, finetune="full", train=train)
+        trainer.version = 5  # as if five steps ran
+        for version in (3, 5, 4):
+            submit(trainer, version=version)
+        made = []
+        for _ in range(3):
+            before = trainer.version
+            assert step(trainer) is not None
+            made.append(before - trainer.figures.recent_lags["digits"][-1])
+        return made
+
+    assert made_at("default") == [3, 5, 4]
+    assert made_at("newest", order="newest") == [5, 4, 3]
+
+
+def train_kl_coef(tmp_path: Path) -> None:
+    """LoRA: the reference is the base model; once the adapter moved (step 2), a step with
+    kl_coef > 0 measures its distance from it, and its loss holds the penalty."""
+    from tests.server.trainer_support import step, submit
+
+    def second_step(name: str, **train: Any) -> dict[str, float]:
+        trainer = trainer_of(tmp_path / name, optimizer={"lr": 1e-2}, train=train)
+        scalars = None
+        for _ in range(2):
+            submit(trainer)
+            scalars = step(trainer)
+            assert scalars is not None
+        return scalars
+
+    free, held = second_step("free"), second_step("held", kl_coef=5.0)
+    assert free["kl_ref"] == 0.0 and held["kl_ref"] > 0.0
+    assert held["loss"] != free["loss"]
+
+
+def checkpoint_every_steps_and_keep(tmp_path: Path) -> None:
+    from tests.server.trainer_support import step, submit
+
+    trainer = trainer_of(tmp_path, finetune="full", checkpoint={"every_steps": 2, "keep": 2})
+    for _ in range(5):
+        submit(trainer)
+        assert step(trainer) is not None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-00000002", "step-00000004"]  # every 2 steps (default 10)
+    trainer.stop()  # stopping checkpoints what is new since the last checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-00000004", "step-00000005"]  # keep: 2 (default 3)
+
+
+def serving(cfg: ModelConfig, eos: int = 2, **kwargs: Any) -> tuple[Any, Any]:
+    """(the trainer's model, the ServingEngine `make_engine` builds for it), as the server
+    does from `cfg`; `eos`: the token that ends a reply."""
+    from jetctl.server.engines import make_engine
+    from jetctl.server.locks import WeightsLock
+
+    model = load(cfg)
+    return model, make_engine(cfg, model, eos_token_ids=[eos], pad_token_id=2,
+                              weights_lock=WeightsLock(), version=lambda: 0, **kwargs)
+
+
+def model_engine(_: Path) -> None:
+    from jetctl.server.engines.continuous import ContinuousEngine
+    from jetctl.server.engines.hf import HFEngine
+
+    assert isinstance(serving(policy())[1].engine, HFEngine)
+    assert isinstance(serving(policy(engine="continuous"))[1].engine, ContinuousEngine)
+
+
+def replica_of(served: Any) -> Any:
+    assert served.publish is not None, "a replica publishes the trainer's weights to itself"
+    return served.publish.__self__
+
+
+def generation_device(_: Path) -> None:
+    """Full fine-tuning on hf generates on the trainer's own model, unless generation.device
+    names a device: then on a copy there (only cpu exists here; tests/gpu for CUDA)."""
+    model, served = serving(policy(finetune="full"))
+    assert served.publish is None
+    model, served = serving(policy(finetune="full", generation={"device": "cpu"}))
+    replica = replica_of(served)
+    assert replica.model is not model
+    assert {p.device.type for p in replica.model.parameters()} == {"cpu"}
+
+
+def generation_dtype(_: Path) -> None:
+    model, served = serving(policy(finetune="full", generation={"dtype": "bfloat16"}))
+    assert {p.dtype for p in replica_of(served).model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the trainer's
+
+
+def generation_publish_timeout_s(_: Path) -> None:
+    """A publish to an engine with its own copy of the weights that is not staged
+    (continuous) waits for the requests under way at most publish_timeout_s per attempt
+    (default 30 s), twice, then leaves the engine on its version until the next step: a
+    long reply is under way here."""
+    import asyncio
+
+    from jetctl.server.engines import GenRequest
+
+    cfg = policy(finetune="full", engine="continuous", generation={"publish_timeout_s": 0.05})
+    engine = serving(cfg, eos=10**6)[1]  # no reply ends before its max_tokens
+    replica = replica_of(engine)
+    assert not replica.staged
+
+    async def publish_during_a_long_reply() -> tuple[float, int]:
+        engine.engine.start()
+        try:
+            long = GenRequest([5, 6, 7], max_tokens=60, temperature=1.0, top_p=1.0)
+            running = asyncio.create_task(engine.engine.generate(long))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            await asyncio.to_thread(replica.publish, 1)
+            waited = time.monotonic() - t0
+            return waited, (await running).model_version
+        finally:
+            await engine.engine.stop()
+
+    waited, served_at = asyncio.run(publish_during_a_long_reply())
+    assert replica.figures.missed_attempts == 2 and replica.version == 0
+    assert served_at == 0 and waited < 5.0
+
+
+def generation_max_batch_size(_: Path) -> None:
+    """Eight requests at once: more than 3 share a decode step by default (16), at most 3
+    with max_batch_size: 3."""
+    import asyncio
+
+    from tests.server.test_engine_batching import no_eos, request
+
+    def rows_per_step(**generation: Any) -> list[int]:
+        sizes: list[int] = []
+        cfg = policy(finetune="full", generation={"batch_wait_ms": 50, **generation})
+        engine = no_eos(serving(cfg, on_batch=lambda n, _t, _s: sizes.append(n))[1].engine)
+
+        async def eight() -> None:
+            engine.start()
+            try:
+                await asyncio.gather(*(engine.generate(request(i)) for i in range(8)))
+            finally:
+                await engine.stop()
+
+        asyncio.run(eight())
+        return sizes
+
+    assert max(rows_per_step()) > 3
+    assert max(rows_per_step(max_batch_size=3)) == 3
+
+
+def run_tls_hosts(tmp_path: Path) -> None:
+    """The run's server certificate (what `jetctl up` makes) names the hosts listed."""
+    from cryptography import x509
+
+    from jetctl.tls import prepare_run_tls
+
+    def names(name: str, **tls: Any) -> set[str]:
+        files = prepare_run_tls(recipe(run={"tls": {"mode": "mtls", **tls}}), tmp_path / name)
+        assert files is not None
+        cert = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} | set(
+            san.get_values_for_type(x509.DNSName))
+
+    listed = {"10.1.2.3", "trainer.internal"}
+    assert listed <= names("listed", hosts=sorted(listed))
+    assert not listed & names("default")
+
+
+# ---------------------------------------------- the parsed recipe's task, as the run runs it
+
+
+class FakeDocker:
+    """The docker SDK's client, where DockerRuntime.start asks `containers` for a container
+    by name (none) and runs one: records each `containers.run(image, **kwargs)`."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, dict[str, Any]]] = []
+        self.containers = self
+
+    def get(self, name: str) -> Any:
+        import docker
+
+        raise docker.errors.NotFound(name)
+
+    def run(self, image: str, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        self.runs.append((image, kwargs))
+        return SimpleNamespace(id=f"container-{len(self.runs)}")
+
+
+def node_started(tmp_path: Path, **task: Any) -> tuple[Any, FakeDocker]:
+    """digits-0 of GOOD with `task`'s fields, as the controller builds its spec from the
+    parsed recipe and hands it to its runtime: a docker runtime on a fake engine."""
+    from jetctl.controller.controller import Controller
+    from jetctl.controller.runtimes.docker import DockerRuntime
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe_text(tasks={"digits": task}))
+    rec = parse_recipe(path.read_text(), file=str(path), env={})
+    fake = FakeDocker()
+    ctl = Controller(rec, path, run_dir=tmp_path / "run",
+                     runtimes={"docker": DockerRuntime(tmp_path / "run", client=fake)})
+    ctl.token = ctl.reconciler.token = "run-token"
+    ctl.reconciler.control = "127.0.0.1:7000"
+    ctl.reconciler.build_nodes({})
+    spec = ctl.reconciler.spec(ctl.state.nodes["digits-0"])
+    if spec.container is not None:
+        ctl.reconciler.runtimes["docker"].start(spec)
+    return spec, fake
+
+
+def docker_run(tmp_path: Path, **task: Any) -> tuple[str, dict[str, Any]]:
+    """The image and arguments of the `containers.run` that starts digits-0 with `task`'s
+    fields, `runtime: docker` and `network: host` (no run network to make)."""
+    _, fake = node_started(tmp_path, runtime="docker", network="host", **task)
+    (run,) = fake.runs
+    return run
+
+
+def task_runtime(tmp_path: Path) -> None:
+    spec, fake = node_started(tmp_path / "process")
+    assert spec.container is None and not fake.runs  # the default: a plain subprocess
+    spec, fake = node_started(tmp_path / "docker", runtime="docker", network="host")
+    ((image, kwargs),) = fake.runs
+    assert spec.container is not None and image == "jetctl-base"
+    assert kwargs["command"][-len(spec.argv):] == spec.argv  # the node, in a container
+
+
+def task_image(tmp_path: Path) -> None:
+    assert docker_run(tmp_path, image="jetctl-code:7")[0] == "jetctl-code:7"
+
+
+def task_resources(tmp_path: Path) -> None:
+    _, default = docker_run(tmp_path / "default")
+    assert "nano_cpus" not in default and "shm_size" not in default
+    assert (default["mem_limit"], default["pids_limit"]) == ("4g", 512)
+    _, limited = docker_run(tmp_path / "limited", resources={
+        "cpus": 0.5, "memory": "256m", "pids": 64, "shm": "128m"})
+    assert limited["nano_cpus"] == 500_000_000 and limited["shm_size"] == "128m"
+    assert limited["mem_limit"] == limited["memswap_limit"] == "256m"
+    assert limited["pids_limit"] == 64
+
+
+def task_docker_socket(tmp_path: Path) -> None:
+    import os
+    from unittest import mock
+
+    sock = tmp_path / "docker.sock"  # what DOCKER_HOST names; a file is enough here
+    sock.touch()
+    with mock.patch.dict(os.environ, {"DOCKER_HOST": f"unix://{sock}"}):
+        _, without = docker_run(tmp_path / "without")
+        _, given = docker_run(tmp_path / "given", docker_socket=True)
+    assert str(sock) not in without["volumes"]
+    assert given["volumes"][str(sock)] == {"bind": "/var/run/docker.sock", "mode": "rw"}
+    assert given["group_add"] == [str(sock.stat().st_gid)]
+
+
+def client_node(tmp_path: Path) -> None:
+    """A client node run from the parsed recipe's task, as `jetctl client` hands it to
+    ClientNode, against tests/client's fake server. The bare agent leaves every sampling
+    knob out of its call (the digits agent would ask for 1.0 and `length` tokens)."""
+    import asyncio
+    import collections
+    import random
+
+    from envs.digits.env import make_env
+    from jetctl.client.node import ClientNode, NodeConfig
+    from jetctl.models import tokenizer_from_files
+    from tests.client.client_fakes import (
+        TOKEN,
+        FakeSwarm,
+        start_fake_server,
+        tiny_tokenizer_files,
+    )
+    from tests.client.test_client_node import digit_reply
+
+    task = recipe(models={"writer": {"model": "builtin:tiny"}}, tasks={"digits": {
+        "model": "writer", "agent": "tests.client.client_fakes:bare_agent",
+        "env_args": {"digit": 3, "length": 5}, "group_size": 3, "concurrency": 3, "seed": 5,
+        "sampling": {"temperature": 0.5, "top_p": 0.8, "max_tokens": 3},
+    }}).tasks["digits"]
+    files = tiny_tokenizer_files()
+    tokenizer = tokenizer_from_files(files)
+    fake = FakeSwarm(tokenizer, files, model="writer", reply_text=digit_reply(tokenizer))
+
+    async def run() -> None:
+        server, _ = await start_fake_server(fake, tmp_path)
+        try:
+            node = ClientNode(NodeConfig(
+                name="digits-0", task_name="digits", task=task, run_dir=tmp_path, token=TOKEN,
+                index=0, max_groups=3, install_signal_handlers=False, drain_grace_s=10,
+            ))
+            assert await node.run() == 0
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    assert [r.model for r in fake.registers] == ["writer"]  # tasks.digits.model
+    assert len(fake.stored) == 3 and len(fake.generate_calls) == 9
+    for group in fake.stored.values():
+        assert group.model == "writer" and len(group.trajectories) == 3  # group_size
+    for req in fake.generate_calls:  # sampling, filled in for the agent named
+        assert (req.temperature, req.top_p, req.max_tokens) == (
+            pytest.approx(0.5), pytest.approx(0.8), 3)
+    # env and env_args: the digits env for digit 3; seed: the tasks random.Random(5) draws
+    # (node index 0), which are not those of the default seed 0
+    def drawn(seed: int) -> collections.Counter[str]:
+        rng, tasks = random.Random(seed), make_env(digit=3, length=5).all_tasks()
+        return collections.Counter(rng.choice(tasks).id for _ in range(3))
+
+    assert drawn(5) != drawn(0)
+    assert collections.Counter(g.task_id for g in fake.stored.values()) == drawn(5)
+
+
+def in_run_eval(tmp_path: Path, seconds: float, **block: Any) -> tuple[Any, Path]:
+    """The server's in-run evals (`InRunEval.for_server`: the recipe its run dir's run.json
+    names) of a dataset task with eval block `block`, the child being tests/server/
+    test_evals.py's stand-in, which notes in `asked` the options it got and takes `seconds`."""
+    import json
+
+    from jetctl.rundir import RunPaths
+    from jetctl.server.evals import InRunEval
+    from tests.server.test_evals import stand_in
+
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe_text(
+        models={"policy": {"checkpoint": {"every_steps": 2}}},
+        tasks={"digits": {"env": "jetctl.envs.dataset:make_env",
+                          "agent": "jetctl.envs.dataset:chat_agent",
+                          "env_args": {"path": "data.jsonl"}, "eval": block}},
+    ))
+    paths = RunPaths(tmp_path / "run")
+    paths.make()
+    paths.run_json.write_text(json.dumps({"recipe": str(path)}))
+    evals = InRunEval.for_server(paths.root, "policy", 0)
+    assert evals is not None
+    asked = tmp_path / "asked"
+    evals.command = stand_in(asked, seconds)
+    return evals, asked
+
+
+def eval_options(tmp_path: Path) -> None:
+    """Checkpoints 2 and 4 with every_steps 4: one eval, of step 4, with the block's options
+    (the defaults: --split test --samples 1, no --max-rows)."""
+    from tests.server.test_evals import wait_for as eval_rows
+
+    evals, asked = in_run_eval(tmp_path, 0.1, every_steps=4, split="train", samples=3,
+                               max_rows=7)
+    evals.start()
+    try:
+        for step in (2, 4):
+            evals.checkpointed(step)
+        rows = eval_rows(evals, "eval/digits/step")
+    finally:
+        evals.stop()
+    assert asked.read_text().splitlines() == [
+        "--task digits --checkpoint step-4 --split train --samples 3 --json --max-rows 7"]
+    assert [r["eval/digits/step"] for r in rows] == [4.0]
+
+
+def eval_timeout_s(tmp_path: Path) -> None:
+    from tests.server.test_evals import wait_for as eval_rows
+
+    evals, _ = in_run_eval(tmp_path, 60, every_steps=2, split="train", timeout_s=0.5)
+    evals.start()
+    t0 = time.monotonic()
+    try:
+        evals.checkpointed(2)
+        rows = eval_rows(evals, "eval/failures")
+    finally:
+        evals.stop()
+    assert time.monotonic() - t0 < 20, "the child was not killed at its timeout (900 s)"
+    assert rows == [{"eval/failures": 1.0}]
+
+
 # ------------------------------------------------------------------ a real server process
 
 
@@ -622,8 +1051,7 @@ ROWS: dict[str, Row] = {
                                "tests/security/test_tls.py::test_control_service_over_tls")),
     "run.tls.cert_dir": CoveredBy(
         ("tests/security/test_tls.py::test_up_makes_certificates_once_and_checks_user_files",)),
-    "run.tls.hosts": CoveredBy(
-        ("tests/security/test_tls.py::test_generated_certificates_name_loopback_and_keep_keys_private",)),
+    "run.tls.hosts": Effect(run_tls_hosts),
     "run.control.host": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "run.control.port": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "run.control.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
@@ -646,17 +1074,11 @@ ROWS: dict[str, Row] = {
     "models.<name>.model": Effect(model_source),
     "models.<name>.device": Effect(model_device),
     "models.<name>.dtype": Effect(model_dtype),
-    "models.<name>.engine": CoveredBy((
-        "tests/server/test_engines.py::test_the_recipe_picks_the_engine",
-        "tests/server/test_engines.py::test_concurrent_replies_are_their_versions_tokens_and_logprobs",
-        "tests/server/test_engines.py::test_engine_vllm_needs_cuda_and_says_so",
-        "tests/test_recipe.py::test_engine_vllm_is_refused_where_vllm_is_not_importable",
-    )),
+    "models.<name>.engine": Effect(model_engine),
     "models.<name>.finetune": Effect(model_finetune),
     "models.<name>.lora.r": Effect(lora_r),
     "models.<name>.lora.alpha": Effect(lora_alpha),
-    "models.<name>.lora.dropout": CoveredBy(
-        ("tests/server/test_adapter.py::test_dropout_applies_only_in_the_trainer_view",)),
+    "models.<name>.lora.dropout": Effect(lora_dropout),
     "models.<name>.lora.target_modules": Effect(lora_target_modules),
     "models.<name>.optimizer.lr": Effect(optimizer_hyperparameters),
     "models.<name>.optimizer.weight_decay": Effect(optimizer_hyperparameters),
@@ -667,58 +1089,40 @@ ROWS: dict[str, Row] = {
     "models.<name>.train.max_staleness": CoveredBy((
         f"{TRAINER}::test_a_group_that_went_stale_in_the_buffer_is_refused_at_batch_time",
         "tests/server/test_server_process.py::test_stale_group_is_refused",
-    )),
-    "models.<name>.train.order": CoveredBy((
-        f"{TRAINER}::test_train_order_picks_which_buffered_groups_train_first",
-        "tests/server/test_store.py::test_newest_first_takes_the_highest_version_and_the_oldest_wait",
-    )),
+    ), recipes=("recipes/tiny.yaml",)),
+    "models.<name>.train.order": Effect(train_order),
     "models.<name>.train.clip_eps": Effect(train_clip_eps),
     "models.<name>.train.clip_eps_high": Effect(train_clip_eps_high),
     "models.<name>.train.tis_cap": Effect(train_tis_cap),
-    "models.<name>.train.kl_coef": CoveredBy((
-        f"{TRAINER}::test_kl_penalty_holds_the_policy_near_the_base_model",
-        "tests/test_recipe.py::test_kl_penalty_needs_lora",
-    )),
+    "models.<name>.train.kl_coef": Effect(train_kl_coef),
     "models.<name>.train.merge": Effect(train_merge),
     "models.<name>.train.max_tokens_per_microbatch": Effect(train_max_tokens_per_microbatch),
     "models.<name>.train.max_steps": Effect(train_max_steps),
     "models.<name>.train.mix": Effect(train_mix),
     "models.<name>.train.mix_wait_s": Effect(train_mix_wait_s),
-    "models.<name>.checkpoint.every_steps": CoveredBy(
-        (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
-    "models.<name>.checkpoint.keep": CoveredBy(
-        (f"{TRAINER}::test_checkpoints_follow_every_steps_and_keep",)),
+    "models.<name>.checkpoint.every_steps": Effect(checkpoint_every_steps_and_keep),
+    "models.<name>.checkpoint.keep": Effect(checkpoint_every_steps_and_keep),
     "models.<name>.checkpoint.dir": CoveredBy((
         f"{TRAINER}::test_resume_restores_weights_optimizer_and_version",
         "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
-    )),
+    ), weak=(
+        "the trainer test hands checkpoint_dir= to the Trainer; the recipe field is read only "
+        "in jetctl.server.app.build, which needs a whole server")),
     "models.<name>.checkpoint.keep_trained_groups": CoveredBy((
         "tests/run/test_replay.py::test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported",
         "tests/run/test_replay.py::test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay",
         "tests/run/test_replay.py::test_keeping_groups_beyond_the_checkpoints_kept_is_refused",
         "tests/run/test_rerun.py::test_a_run_whose_groups_were_dropped_is_refused_with_the_setting",
     )),
-    "models.<name>.generation.max_batch_size": CoveredBy(
-        ("tests/server/test_engine_batching.py::test_no_decode_step_holds_more_than_max_batch_size",)),
+    "models.<name>.generation.max_batch_size": Effect(generation_max_batch_size),
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
     "models.<name>.generation.threads": Effect(generation_threads),
     "models.<name>.train.threads": Effect(train_threads),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
-    "models.<name>.generation.device": CoveredBy((
-        "tests/server/test_engines.py::test_each_reply_is_exact_to_the_version_it_names_while_weights_change",
-        "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
-    )),
-    "models.<name>.generation.dtype": CoveredBy((
-        "tests/server/test_engine_replica.py::test_generation_dtype_serves_a_bfloat16_copy_whose_replies_name_their_version",
-        "tests/test_recipe.py::test_a_generation_dtype_for_engine_vllm_is_refused",
-        "tests/server/test_engine_dtype.py::test_auto_takes_bfloat16_only_where_this_host_measures_it_faster",
-        "tests/server/test_engine_dtype.py::test_auto_on_this_cpu_measures_both_and_the_engine_follows_its_pick",
-    )),
-    "models.<name>.generation.publish_timeout_s": CoveredBy((
-        "tests/server/test_engine_replica.py::test_a_publish_that_misses_its_deadline_is_retried_then_fails_loudly",
-        "tests/server/test_engine_replica.py::test_continuous_publish_waits_for_the_request_in_flight_or_misses",
-    )),
+    "models.<name>.generation.device": Effect(generation_device),
+    "models.<name>.generation.dtype": Effect(generation_dtype),
+    "models.<name>.generation.publish_timeout_s": Effect(generation_publish_timeout_s),
     "models.<name>.limits.max_message_bytes": Served(served_max_message_bytes),
     "models.<name>.limits.max_buffer_groups": CoveredBy((
         "tests/server/test_server_buffer.py::test_past_the_bound_groups_are_busy_and_not_stored",
@@ -731,11 +1135,11 @@ ROWS: dict[str, Row] = {
     "models.<name>.limits.max_queued_generates": CoveredBy((
         "tests/server/test_engine_backpressure.py::test_past_max_queued_generates_generate_is_refused_with_a_retry_after_and_the_node_waits",
         "tests/server/test_engine_backpressure.py::test_a_node_whose_wait_outlasts_its_generate_timeout_fails_with_503",
-    )),
+    ), weak="both hand LimitsConfig(...) to the service directly"),
     "models.<name>.limits.max_concurrent_rpcs": CoveredBy((
         "tests/server/test_engine_backpressure.py::test_past_max_concurrent_rpcs_any_call_is_refused_until_one_finishes",
         "tests/server/test_engine_backpressure.py::test_a_concurrency_cap_not_above_the_generate_queue_is_refused_with_the_fix",
-    )),
+    ), weak="LimitsConfig(...) handed to the service directly; the other test: its validation"),
     "models.<name>.host": Served(served_host),
     "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
@@ -746,45 +1150,38 @@ ROWS: dict[str, Row] = {
     "models.<name>.port": Effect(run_token_and_ports, integration=True),
     "models.<name>.metrics_port": Effect(run_token_and_ports, integration=True),
     "models.<name>.seed": Effect(model_seed),
-    "tasks.<name>.env": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
-    "tasks.<name>.agent": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
-    "tasks.<name>.model": CoveredBy((
-        f"{NODE}::test_digits_groups_arrive_with_correct_fields",
-        "tests/test_recipe.py::test_unknown_model_of_a_task_points_at_its_model_key",
-    )),
+    "tasks.<name>.env": Effect(client_node, integration=True),
+    "tasks.<name>.agent": Effect(client_node, integration=True),
+    "tasks.<name>.model": Effect(client_node, integration=True),
     "tasks.<name>.roles": CoveredBy((
         "tests/client/test_team_node.py::test_each_role_reaches_its_model_and_trains_it_with_its_reward",
         "tests/test_recipe.py::test_a_team_names_its_models_under_roles",
-    )),
-    "tasks.<name>.env_args": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    ), weak=(
+        "the team node runs TEAM_TASK = TaskConfig(roles=...); test_recipe only reads the parsed "
+        "role_models")),
+    "tasks.<name>.env_args": Effect(client_node, integration=True),
     "tasks.<name>.clients": CoveredBy(
         (f"{CONTROLLER}::test_start_status_and_down_drains_clients_before_servers",)),
-    "tasks.<name>.group_size": CoveredBy((f"{NODE}::test_digits_groups_arrive_with_correct_fields",)),
+    "tasks.<name>.group_size": Effect(client_node, integration=True),
     "tasks.<name>.concurrency": CoveredBy((
         f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",
         f"{CONCURRENCY}::test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_it_waits",
         f"{CONCURRENCY}::test_a_node_backs_off_to_one_group_while_the_engine_is_full",
-    )),
+    ), weak=(
+        "TaskConfig(concurrency=2) directly; the concurrency tests leave it at auto (they test "
+        "the governor)")),
     "tasks.<name>.rollout_timeout_s": CoveredBy(
-        (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",)),
-    "tasks.<name>.runtime": CoveredBy(
-        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
-    "tasks.<name>.image": CoveredBy(
-        (f"{DOCKER}::test_swap_to_a_new_image_replaces_every_container",)),
-    "tasks.<name>.resources.cpus": CoveredBy(
-        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
-    "tasks.<name>.resources.memory": CoveredBy(
-        (f"{DOCKER}::test_the_memory_limit_is_enforced",)),
-    "tasks.<name>.resources.pids": CoveredBy(
-        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
-    "tasks.<name>.resources.shm": CoveredBy(
-        (f"{DOCKER}::test_a_container_is_labelled_limited_and_logged",)),
+        (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",),
+        weak="TaskConfig(rollout_timeout_s=3.0) handed to the node directly"),
+    "tasks.<name>.runtime": Effect(task_runtime),
+    "tasks.<name>.image": Effect(task_image),
+    "tasks.<name>.resources.cpus": Effect(task_resources),
+    "tasks.<name>.resources.memory": Effect(task_resources),
+    "tasks.<name>.resources.pids": Effect(task_resources),
+    "tasks.<name>.resources.shm": Effect(task_resources),
     "tasks.<name>.resources.gpus": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group",)),
     "tasks.<name>.resources.custom": CoveredBy(("tests/controller/test_placement.py::test_each_client_node_gets_its_bundle_of_the_task_revisions_group", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
-    "tasks.<name>.docker_socket": CoveredBy((
-        f"{DOCKER}::test_a_node_given_the_docker_socket_runs_code_in_sibling_sandboxes",
-        "tests/test_recipe.py::test_docker_socket_needs_the_docker_runtime",
-    )),
+    "tasks.<name>.docker_socket": Effect(task_docker_socket),
     "tasks.<name>.network": CoveredBy((
         "tests/security/test_container_network.py::test_an_isolated_task_dials_the_gateway_with_its_own_credential",
         "tests/security/test_container_network.py::test_network_host_is_the_hosts_network",
@@ -792,35 +1189,28 @@ ROWS: dict[str, Row] = {
         "tests/security/test_hostile_client.py::test_a_hostile_agent_is_contained_and_the_run_keeps_training",
     )),
     "tasks.<name>.inference": CoveredBy(
-        ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",)),
-    "tasks.<name>.sampling.temperature": CoveredBy(
-        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
-    "tasks.<name>.sampling.top_p": CoveredBy(
-        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
-    "tasks.<name>.sampling.max_tokens": CoveredBy(
-        (f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+        ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",),
+        weak="set in its recipe, but its asserts (groups acked, the calls' versions published) "
+        "hold as well with the server generating"),
+    "tasks.<name>.sampling.temperature": Effect(client_node, integration=True),
+    "tasks.<name>.sampling.top_p": Effect(client_node, integration=True),
+    "tasks.<name>.sampling.max_tokens": Effect(client_node, integration=True),
     "tasks.<name>.spool_max_bytes": CoveredBy(
-        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
-    "tasks.<name>.seed": CoveredBy((f"{NODE}::test_the_tasks_sampling_and_seed_reach_the_model",)),
+        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",),
+        weak="TaskConfig(spool_max_bytes=1024) handed to the node directly"),
+    "tasks.<name>.seed": Effect(client_node, integration=True),
     "tasks.<name>.eval.every_steps": CoveredBy((
         f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",
         f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
         f"{EVALS}::test_every_steps_must_fall_on_a_checkpoint",
     )),
-    "tasks.<name>.eval.split": CoveredBy((
-        f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
-        f"{EVALS}::test_the_test_split_needs_held_out_rows",
-    )),
-    "tasks.<name>.eval.samples": CoveredBy((
-        f"{EVALS}::test_checkpoints_that_come_faster_than_evals_skip_to_the_newest",
-        "tests/run/test_eval.py::test_the_figures_of_the_held_out_rows",
-    )),
+    "tasks.<name>.eval.split": Effect(eval_options),
+    "tasks.<name>.eval.samples": Effect(eval_options),
     "tasks.<name>.eval.max_rows": CoveredBy((
         f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",
         "tests/run/test_eval.py::test_max_rows_and_two_tasks_evaluated_apart_share_the_step_file",
     )),
-    "tasks.<name>.eval.timeout_s": CoveredBy(
-        (f"{EVALS}::test_an_eval_past_its_timeout_is_killed_and_counted",)),
+    "tasks.<name>.eval.timeout_s": Effect(eval_timeout_s),
 }
 
 
@@ -849,12 +1239,29 @@ def test_the_tests_a_row_names_exist_and_set_the_field(path: str) -> None:
     row = ROWS[path]
     assert isinstance(row, CoveredBy)
     key = path.rsplit(".", 1)[-1]
+    texts = {}
     for ref in row.tests:
         file, name = ref.split("::")
         source = ROOT / file
         assert source.is_file(), f"{path}: {file} does not exist"
         assert name in _functions(source), f"{path}: {ref} does not exist"
-        assert key in source.read_text(encoding="utf-8"), f"{path}: {file} never sets {key}"
+        texts[file] = source.read_text(encoding="utf-8")
+        assert key in texts[file], f"{path}: {file} never sets {key}"
+    for file in row.recipes:
+        texts[file] = (ROOT / file).read_text(encoding="utf-8")
+    if row.weak:
+        return
+    keys = [k for k in path.split(".")[1:] if k != "<name>"]  # limits, max_buffer_groups
+    assert any(all(_sets(text, k) for k in keys) for text in texts.values()), (
+        f"{path}: none of {sorted(texts)} sets {': '.join(keys)}: name a test that sets it "
+        "in a recipe (or the recipe file it runs, in recipes=), or say why not in weak="
+    )
+
+
+def _sets(text: str, key: str) -> bool:
+    """Whether `text` sets `key`: as a YAML or dict key or a keyword argument (`key:`,
+    `"key":`, `key=`), not only names it in prose or a comparison."""
+    return re.search(rf"""(?<![\w.])["']?{re.escape(key)}["']?\s*(:|=(?!=))""", text) is not None
 
 
 def _effect_params() -> list[Any]:
