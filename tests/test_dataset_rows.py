@@ -95,9 +95,9 @@ def wait_for_restart(run_dir: Path, node: str, timeout_s: float = 120) -> None:
 
 def stored_groups(run_dir: Path) -> list[tuple[str, str]]:
     """(task_id, client revision) of every group the server stored."""
-    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from jetctl.server.store import TrajectoryStore
 
-    store = TrajectoryStore(RunPaths(run_dir).store("policy"), decode=GroupCodec())
+    store = TrajectoryStore(RunPaths(run_dir).store("policy"))
     store.open(trained_through_step=0)
     try:
         return [(s.group.task_id, s.group.trajectories[0].client_revision)

@@ -1,14 +1,17 @@
 """Map jetctl.types dataclasses to and from swarm.proto messages; slice groups out of bytes.
 
 The server keeps a submitted group as the bytes it arrived in: `group_payloads` cuts each
-`TrajectoryGroup` out of a `SubmitRequest`'s wire bytes (no re-serialization), and only the
-trainer turns them into dataclasses (`group_from_pb`).
+`TrajectoryGroup` out of a `SubmitRequest`'s wire bytes (no re-serialization), admission
+reads their token ids and logprobs as packed bytes (`packed_groups`), and only the trainer
+turns them into dataclasses (`group_from_pb`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from google.protobuf.message import DecodeError
 
 from jetctl.proto._gen import packed_pb2
 from jetctl.proto._gen import swarm_pb2 as pb
@@ -117,11 +120,16 @@ def group_payloads(raw: bytes, request: pb.SubmitRequest) -> list[bytes]:
     return slices
 
 
-def packed_groups(raw: bytes) -> Any:
-    """The groups of a SubmitRequest's wire bytes as `PackedGroup` views (packed.proto): each
-    call's token ids and logprobs as the bytes they travel in, for the admission checks.
-    Raises DecodeError where the bytes do not parse as such."""
-    return packed_pb2.PackedSubmitRequest.FromString(raw).groups
+def packed_groups(raw: bytes, n_groups: int) -> list[Any]:
+    """The `n_groups` groups of a SubmitRequest's wire bytes as `PackedGroup` views
+    (packed.proto): each call's token ids and logprobs as the bytes they travel in, for the
+    admission checks. None for each where the bytes do not parse that way, or not into
+    `n_groups` groups: then admission reads the elements one by one."""
+    try:
+        views = list(packed_pb2.PackedSubmitRequest.FromString(raw).groups)
+    except DecodeError:
+        views = []
+    return views if len(views) == n_groups else [None] * n_groups
 
 
 def length_delimited(raw: bytes) -> list[tuple[int, bytes]]:

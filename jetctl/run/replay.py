@@ -242,13 +242,14 @@ class Replayer:
 
     def step(self, payloads: Sequence[bytes]) -> Replayed:
         """One optimizer step on the groups, as the trainer's `_train` takes it."""
+        from jetctl.proto._gen import swarm_pb2
+        from jetctl.proto.convert import group_from_pb
         from jetctl.server import algorithms
         from jetctl.server import weights as W
         from jetctl.server.step import train_step
-        from jetctl.server.store import GroupCodec
 
-        codec = GroupCodec()
-        groups = [codec.decode(p).trajectories for p in payloads]
+        groups = [group_from_pb(swarm_pb2.TrajectoryGroup.FromString(p)).trajectories
+                  for p in payloads]
         result = train_step(self.model, groups, self.cfg.train, algorithms.make(self.cfg.train),
                             max_grad_norm=self.cfg.optimizer.max_grad_norm)
         if not result.trained:
@@ -379,14 +380,14 @@ def write_bundle(
     step: int, out: Path,
 ) -> Path:
     """Step `step` of a run as a bundle tar (`FORMAT`) at `out`."""
-    from jetctl.server.store import GroupCodec
+    from jetctl.proto._gen import swarm_pb2
+    from jetctl.proto.convert import group_from_pb
 
     records = read_records(steps_log)
     replayer = rebuild_before(cfg, store_path, records, checkpoint_root, step)
     record = records[step]
     payloads = stored_groups(store_path, record)
     weights, optimizer = replayer.state()
-    codec = GroupCodec()
     meta = {
         "format": FORMAT,
         "model": model_name,
@@ -395,7 +396,8 @@ def write_bundle(
         "torch": torch.__version__,
         "record": record.to_json(),
         "model_config": cfg.model_dump(mode="json", exclude_unset=True),  # as written
-        "groups": [_group_summary(codec.decode(p), cfg) for p in payloads],
+        "groups": [_group_summary(group_from_pb(swarm_pb2.TrajectoryGroup.FromString(p)), cfg)
+                   for p in payloads],
     }
     files = {
         BUNDLE_JSON: json.dumps(meta, indent=1).encode(),

@@ -54,7 +54,7 @@ from jetctl.server.locks import WeightsLock
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import SERVICE, SwarmService, auth_interceptor
 from jetctl.server.step import load_trainable
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 from jetctl.server.trainer import Trainer
 from jetctl.tls import TlsFiles, add_port
 from jetctl.trackers import Trackers, TrackingPlan
@@ -83,7 +83,7 @@ class ServerOptions:
 def open_store(path: Path, cfg: ModelConfig) -> TrajectoryStore:
     """The model's trajectory store, its buffer bounded by the recipe's limits."""
     return TrajectoryStore(
-        path, decode=GroupCodec(), max_buffer_groups=cfg.limits.max_buffer_groups,
+        path, max_buffer_groups=cfg.limits.max_buffer_groups,
         max_buffer_bytes=cfg.limits.max_buffer_bytes,
     )
 

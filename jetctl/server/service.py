@@ -296,7 +296,7 @@ class SwarmService:
         puts: list[Put] = []
         acks: list[pb.Ack | None] = []
         groups = req.groups
-        verdicts = check_groups(groups, _packed_views(raw, len(groups)), self.limits, version,
+        verdicts = check_groups(groups, packed_groups(raw, len(groups)), self.limits, version,
                                 self.refused_revisions)
         for gm, payload, verdict in zip(groups, group_payloads(raw, req), verdicts):
             n_traj = len(gm.trajectories)
@@ -404,16 +404,6 @@ class SwarmService:
             no_signal_by_task={t: share for t, (share, _) in verdicts.items()},
             signal_by_task={t: verdict for t, (_, verdict) in verdicts.items()},
         )
-
-
-def _packed_views(raw: bytes, n_groups: int) -> list[Any]:
-    """Each group's packed view (its token ids and logprobs as bytes), or None for each where
-    the request's bytes do not parse that way: then admission reads the elements one by one."""
-    try:
-        views = list(packed_groups(raw))
-    except DecodeError:
-        return [None] * n_groups
-    return views if len(views) == n_groups else [None] * n_groups
 
 
 def auth_interceptor(

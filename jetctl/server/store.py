@@ -45,9 +45,9 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -141,19 +141,18 @@ class StoredGroup:
     facts: GroupFacts
     payload: bytes
     received_at: float
-    decode: Callable[[bytes], TrajectoryGroup] = field(repr=False)
 
     @property
     def id(self) -> str:
         return self.facts.id
 
-    def lag(self, server_version: int) -> int:
-        return self.facts.lag(server_version)
-
     @cached_property
     def group(self) -> TrajectoryGroup:
         """The decoded group (in the trainer's thread: the Submit path never decodes)."""
-        return self.decode(self.payload)
+        from jetctl.proto._gen import swarm_pb2
+        from jetctl.proto.convert import group_from_pb
+
+        return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(self.payload))
 
 
 @dataclass(frozen=True)
@@ -289,7 +288,7 @@ class TrajectoryStore:
     """Durable store + in-memory buffer of accepted, untrained groups."""
 
     def __init__(
-        self, path: Path, *, decode: GroupCodec, max_buffer_groups: int = 1024,
+        self, path: Path, *, max_buffer_groups: int = 1024,
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     ) -> None:
         if max_buffer_groups < 1:
@@ -297,7 +296,6 @@ class TrajectoryStore:
         if max_buffer_bytes < 1:
             raise ValueError(f"max_buffer_bytes ({max_buffer_bytes}) must be at least 1")
         self.path = path
-        self._codec = decode
         self.max_buffer_groups = max_buffer_groups
         self.max_buffer_bytes = max_buffer_bytes
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -371,7 +369,7 @@ class TrajectoryStore:
                     revisions=tuple(revisions.split(",")) if revisions else (),
                     reward_sum=reward_sum,
                 )
-                self._buffer.append(StoredGroup(facts, payload, at, self._codec.decode))
+                self._buffer.append(StoredGroup(facts, payload, at))
             self._buffer_bytes = sum(len(s.payload) for s in self._buffer)
         self._writer.start()
         return len(rows)
@@ -497,7 +495,7 @@ class TrajectoryStore:
                     if buffered:
                         room -= 1
                         room_bytes -= len(put.payload)
-                        accepted.append(StoredGroup(f, put.payload, now, self._codec.decode))
+                        accepted.append(StoredGroup(f, put.payload, now))
                 self._db.executemany(
                     "INSERT INTO groups (id, task, n_traj, min_version, state, reason, refusal, "
                     "received_at, payload, trajectory_ids, revisions, reward_sum) "
@@ -685,16 +683,6 @@ class TrajectoryStore:
         if not 1 <= last_groups <= REWARD_WINDOW:
             raise ValueError(f"last_groups ({last_groups}) must be in 1..{REWARD_WINDOW}")
         return self._tally.reward_by_task(last_groups)
-
-
-class GroupCodec:
-    """Turns stored payload bytes back into TrajectoryGroups (protobuf, via jetctl.proto)."""
-
-    def decode(self, payload: bytes) -> TrajectoryGroup:
-        from jetctl.proto._gen import swarm_pb2
-        from jetctl.proto.convert import group_from_pb
-
-        return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(payload))
 
 
 def _recorded_outcome(state: str, refusal: str, reason: str) -> PutResult:

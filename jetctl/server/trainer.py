@@ -205,7 +205,7 @@ class Trainer:
         stale: list[StoredGroup] = []
         flat: list[StoredGroup] = []
         for s in taken:
-            if s.lag(self.version) > tc.max_staleness:  # from its facts: a stale group is not decoded
+            if s.facts.lag(self.version) > tc.max_staleness:  # a stale group is not decoded
                 stale.append(s)
             elif _no_signal(s):
                 flat.append(s)
@@ -315,7 +315,7 @@ class Trainer:
         version_before = self.version
         memory.reset_peak(self.device)
         skipped = skipped or []
-        lags = [s.lag(self.version) for s in batch]
+        lags = [s.facts.lag(self.version) for s in batch]
         for s, lag in zip(batch, lags):
             self.figures.note_lag(s.facts.task, lag)
         result = train_step(

@@ -504,9 +504,10 @@ class RunView:
 
 
 def _decode(payload: bytes) -> TrajectoryGroup:
-    from jetctl.server.store import GroupCodec
+    from jetctl.proto._gen import swarm_pb2
+    from jetctl.proto.convert import group_from_pb
 
-    return GroupCodec().decode(payload)
+    return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(payload))
 
 
 class Texts:

@@ -83,10 +83,10 @@ def test_reward_by_task_is_each_tasks_groups_from_the_store(tmp_path: Path) -> N
     """Per task: every accepted group's mean reward in the order received, and the trailing
     mean of the last 32 (what `jetctl status` shows); refused groups are left out."""
     from jetctl.proto.convert import group_to_pb
-    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from jetctl.server.store import TrajectoryStore
     from tests.factories import make_group
 
-    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite")
     store.open(trained_through_step=0)
     try:
         for i in range(40):  # web rises from 0 to 1 over 40 groups; api stays at 0.5
@@ -120,13 +120,13 @@ def test_a_group_stored_after_the_last_step_redraws_the_task_curve(tmp_path: Pat
     from jetctl.controller.controller import _curve_signature
     from jetctl.proto.convert import group_to_pb
     from jetctl.rundir import RunPaths
-    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from jetctl.server.store import TrajectoryStore
     from tests.factories import make_group
 
     paths = RunPaths(tmp_path)
     paths.metrics.mkdir(parents=True)
     (paths.metrics / "policy.steps.jsonl").write_text('{"step": 1}\n')
-    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "server-policy" / "store.sqlite")
     store.open(trained_through_step=0)
     try:
         first = make_group(task="web", rewards=(0.0, 1.0))

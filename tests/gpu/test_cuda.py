@@ -74,7 +74,7 @@ async def test_hf_engine_on_a_second_gpu_gets_each_step_within_the_deadline() ->
 
 def trainer_for(tmp_path: Path, finetune: str, dtype: str = "bfloat16") -> Any:
     from jetctl.server.step import load_trainable
-    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from jetctl.server.store import TrajectoryStore
     from jetctl.server.trainer import Trainer
 
     cfg = ModelConfig(
@@ -82,7 +82,7 @@ def trainer_for(tmp_path: Path, finetune: str, dtype: str = "bfloat16") -> Any:
         optimizer=OptimizerConfig(lr=1e-2), train=TrainConfig(groups_per_step=1),
     )
     model, _ = load_trainable(cfg)
-    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "store.sqlite")
     trainer = Trainer(model, cfg, store, weights_lock=threading.Lock(),
                       checkpoint_dir=tmp_path / "checkpoints", steps_log=tmp_path / "steps.jsonl")
     store.open(trained_through_step=trainer.resume())

@@ -20,7 +20,7 @@ from jetctl.proto.convert import group_to_pb
 from jetctl.run.ledger import Ledger, ledger_from_files
 from jetctl.run.ledger import build_ledger as ledger_from_received
 from jetctl.rundir import RunPaths
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 from jetctl.types import TrajectoryGroup
 from tests.factories import make_group
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.unit
 
 
 def _store(run_dir: Path, resumed_from: int = 0, model: str = "policy") -> TrajectoryStore:
-    store = TrajectoryStore(run_dir / f"server-{model}" / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(run_dir / f"server-{model}" / "store.sqlite")
     Journal.install(store.path, STORE_TABLES)  # as the server does, before it writes
     store.open(trained_through_step=resumed_from)
     return store

@@ -168,7 +168,7 @@ def test_the_cli_replays_a_run_dir_and_a_bundle(tmp_path: Path) -> None:
     from jetctl.cli.main import build_app
     from jetctl.recipe import load_recipe
     from jetctl.rundir import RunPaths
-    from jetctl.server.store import GroupCodec, TrajectoryStore
+    from jetctl.server.store import TrajectoryStore
 
     (tmp_path / "recipe.yaml").write_text(RECIPE)
     cfg = load_recipe(tmp_path / "recipe.yaml").models["policy"]
@@ -176,7 +176,7 @@ def test_the_cli_replays_a_run_dir_and_a_bundle(tmp_path: Path) -> None:
     paths.make()
     (paths.run_json).write_text(json.dumps({"recipe": str(tmp_path / "recipe.yaml")}))
     paths.server_dir("policy").mkdir()
-    store = TrajectoryStore(paths.store("policy"), decode=GroupCodec())
+    store = TrajectoryStore(paths.store("policy"))
     model, _ = load_trainable(cfg)
     trainer = Trainer(model, cfg, store, weights_lock=threading.Lock(),
                       checkpoint_dir=str(paths.checkpoints("policy")),

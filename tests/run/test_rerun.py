@@ -17,7 +17,7 @@ from jetctl.recipe import load_recipe
 from jetctl.run.replay import read_records
 from jetctl.rundir import RunPaths
 from jetctl.server.step import load_trainable
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 from jetctl.server.trainer import Trainer
 from tests.server.trainer_support import step, submit
 
@@ -58,7 +58,7 @@ def _recorded_run(tmp_path: Path, kept: str, steps: int) -> tuple[Path, Path]:
     paths.make()
     paths.run_json.write_text(json.dumps({"recipe": str(recipe), "state": "finished"}))
     paths.server_dir("policy").mkdir()
-    store = TrajectoryStore(paths.store("policy"), decode=GroupCodec())
+    store = TrajectoryStore(paths.store("policy"))
     model, _ = load_trainable(cfg)
     trainer = Trainer(model, cfg, store, weights_lock=threading.Lock(),
                       checkpoint_dir=str(paths.checkpoints("policy")),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jetctl.proto._gen import packed_pb2
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.proto.convert import group_to_pb, packed_groups
+from jetctl.proto.convert import group_from_pb, group_to_pb, packed_groups
 from jetctl.server.admission import (
     MAX_LOGPROB,
     MIN_LOGPROB,
@@ -21,7 +21,7 @@ from jetctl.server.admission import (
     check_group,
     check_groups,
 )
-from jetctl.server.store import GroupCodec, GroupFacts
+from jetctl.server.store import GroupFacts
 from jetctl.types import LLMCall, TrajectoryGroup
 from tests.factories import make_group
 
@@ -154,8 +154,8 @@ def test_a_protobuf_group_is_judged_as_its_decoded_dataclass(
     reference = check_group(g, LIMITS, 3, frozenset())
     fast = check_group(group_to_pb(g), LIMITS, 3, frozenset())
     # logprobs travel as float32: compare against the group as the wire carries it
-    wire = check_group(GroupCodec().decode(group_to_pb(g).SerializeToString()), LIMITS, 3,
-                       frozenset())
+    decoded = group_from_pb(pb.TrajectoryGroup.FromString(group_to_pb(g).SerializeToString()))
+    wire = check_group(decoded, LIMITS, 3, frozenset())
     assert fast == wire, defect
     assert fast.outcome == reference.outcome or defect.startswith("logprob"), defect
     if defect == "none":
@@ -175,7 +175,7 @@ def test_a_request_is_judged_from_its_packed_bytes_as_group_by_group(
     raw = pb.SubmitRequest(groups=[group_to_pb(g) for _, g in cases]).SerializeToString()
     req = pb.SubmitRequest.FromString(raw)
     one_by_one = [check_group(gm, LIMITS, 3, frozenset()) for gm in req.groups]
-    packed = check_groups(req.groups, list(packed_groups(raw)), LIMITS, 3, frozenset())
+    packed = check_groups(req.groups, packed_groups(raw, len(req.groups)), LIMITS, 3, frozenset())
     assert packed == one_by_one, [d for d, _ in cases]
 
 
@@ -210,7 +210,7 @@ def test_ids_outside_the_first_packed_run_are_checked_too(
     raw = _field(1, g.SerializeToString() + _field(5, trajectory))
     req = pb.SubmitRequest.FromString(raw)
     assert list(req.groups[0].trajectories[-1].calls[0].prompt_ids)[-1] == extra_id
-    verdicts = check_groups(req.groups, list(packed_groups(raw)), LIMITS, 3, frozenset())
+    verdicts = check_groups(req.groups, packed_groups(raw, len(req.groups)), LIMITS, 3, frozenset())
     assert [v.outcome for v in verdicts] == [outcome]
     assert verdicts == [check_group(req.groups[0], LIMITS, 3, frozenset())]
 

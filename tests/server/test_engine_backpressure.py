@@ -27,7 +27,7 @@ from jetctl.server.app import grpc_server
 from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import RETRY_AFTER_KEY, SwarmService
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -69,7 +69,7 @@ class GatedEngine:
 async def _serve(
     tmp_path: Path, engine: GatedEngine, limits: LimitsConfig
 ) -> tuple[grpc.aio.Server, SwarmService, str]:
-    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "store.sqlite")
     store.open(trained_through_step=0)
     trainer: Any = SimpleNamespace(version=0)  # Generate reads nothing else of it
     service = SwarmService(

@@ -12,14 +12,14 @@ import pytest
 
 from jetctl.proto.convert import group_to_pb
 from jetctl.run.ledger import Ledger, LedgerError, ledger_from_files
-from jetctl.server.store import GroupCodec, GroupFacts, Put, PutResult, TrajectoryStore
+from jetctl.server.store import GroupFacts, Put, PutResult, TrajectoryStore
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
 
 
 def _open(path: Path, trained_through: int = 0) -> TrajectoryStore:
-    store = TrajectoryStore(path, decode=GroupCodec())
+    store = TrajectoryStore(path)
     store.open(trained_through_step=trained_through)
     return store
 
@@ -141,7 +141,7 @@ def test_reward_by_task_is_the_mean_of_each_tasks_recent_accepted_groups(tmp_pat
 def test_a_full_buffer_refuses_new_groups_as_busy_and_stores_nothing(tmp_path: Path) -> None:
     """The buffer is bounded: past max_buffer_groups a new group is not stored (busy), a
     resend of a stored one is still a duplicate, and room made by training is used again."""
-    store = TrajectoryStore(tmp_path / "s.sqlite", decode=GroupCodec(), max_buffer_groups=2)
+    store = TrajectoryStore(tmp_path / "s.sqlite", max_buffer_groups=2)
     store.open(trained_through_step=0)
     groups = [make_group() for _ in range(3)]
     payloads = [group_to_pb(g).SerializeToString() for g in groups]
@@ -224,7 +224,7 @@ def test_the_buffer_keeps_the_bytes_as_received_and_decodes_on_first_use(
     assert store.put(facts, payload).result(5).outcome == "accepted"
     (held,) = store.take(1, timeout_s=0.1)
     assert held.payload is payload and "group" not in held.__dict__  # not decoded yet
-    assert held.id == g.id and held.lag(3) == 3 and held.group == g
+    assert held.id == g.id and held.facts.lag(3) == 3 and held.group == g
     store.close()
     store = _open(tmp_path / "s.sqlite")  # reloaded after a restart: the same bytes, facts
     (again,) = store.take(1, timeout_s=0.1)

@@ -26,7 +26,7 @@ from jetctl.proto.convert import group_to_pb
 from jetctl.server.admission import Limits
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import RETRY_AFTER_KEY, SwarmService
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 from tests.factories import make_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -58,7 +58,7 @@ def _service(store: TrajectoryStore) -> SwarmService:
 async def test_a_stalled_writer_refuses_with_a_retry_after_and_the_node_loses_nothing(
     tmp_path: Path,
 ) -> None:
-    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "store.sqlite")
     store.open(trained_through_step=0)
     service = _service(store)
     service.max_pending_writes = 2
@@ -136,7 +136,7 @@ def server_endpoint(run_dir: Path) -> str:
 async def test_a_node_isolates_a_refused_request_one_group_at_a_time_then_batches_again(
     tmp_path: Path,
 ) -> None:
-    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "store.sqlite")
     store.open(trained_through_step=0)
     server = await _serve(_service(store), tmp_path)
     spool = Spool(tmp_path / "spool" / "n.sqlite")

@@ -13,7 +13,7 @@ import pytest
 
 from jetctl.proto.convert import group_to_pb
 from jetctl.server.figures import RecentRate
-from jetctl.server.store import REWARD_WINDOW, GroupCodec, StoreCounts, TrajectoryStore, _Tally
+from jetctl.server.store import REWARD_WINDOW, StoreCounts, TrajectoryStore, _Tally
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
@@ -33,7 +33,7 @@ def _figures(store: TrajectoryStore) -> tuple[StoreCounts, dict[str, int], dict[
 def test_the_counters_equal_a_scan_of_the_table_after_any_history(tmp_path: Path) -> None:
     rng = random.Random(25)
     path = tmp_path / "s.sqlite"
-    store = TrajectoryStore(path, decode=GroupCodec(), max_buffer_groups=40)
+    store = TrajectoryStore(path, max_buffer_groups=40)
     store.open(trained_through_step=0)
     step = 0
     for _ in range(6):
@@ -55,7 +55,7 @@ def test_the_counters_equal_a_scan_of_the_table_after_any_history(tmp_path: Path
     assert counts.groups.get("trained") and counts.rejected_groups.get("stale")
     store.close()
     # a restart from an earlier checkpoint moves groups back to the buffer
-    store = TrajectoryStore(path, decode=GroupCodec(), max_buffer_groups=40)
+    store = TrajectoryStore(path, max_buffer_groups=40)
     store.open(trained_through_step=step // 2)
     assert _figures(store) == _scanned(store)
     assert store.counts().groups["buffered"] > counts.groups.get("buffered", 0)
@@ -63,7 +63,7 @@ def test_the_counters_equal_a_scan_of_the_table_after_any_history(tmp_path: Path
 
 
 def test_a_task_keeps_its_last_window_of_groups_for_its_reward(tmp_path: Path) -> None:
-    store = TrajectoryStore(tmp_path / "s.sqlite", decode=GroupCodec(), max_buffer_groups=200)
+    store = TrajectoryStore(tmp_path / "s.sqlite", max_buffer_groups=200)
     store.open(trained_through_step=0)
     for i in range(REWARD_WINDOW + 10):
         reward = 0.0 if i < 10 else 1.0  # the 10 oldest fall out of the window
@@ -79,7 +79,7 @@ def test_a_task_keeps_its_last_window_of_groups_for_its_reward(tmp_path: Path) -
 def test_status_figures_never_wait_for_the_writer(tmp_path: Path) -> None:
     """A transaction holding the store's lock (the writer committing a batch, a checkpoint's
     update) does not hold up the counts: Status reads them in well under a millisecond."""
-    store = TrajectoryStore(tmp_path / "s.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "s.sqlite")
     store.open(trained_through_step=0)
     g = make_group()
     store.put(g, group_to_pb(g).SerializeToString()).result(5)

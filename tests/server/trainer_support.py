@@ -11,7 +11,7 @@ import torch
 from jetctl.proto.convert import group_to_pb
 from jetctl.recipe import CheckpointConfig, ModelConfig, OptimizerConfig, TrainConfig
 from jetctl.server.step import load_trainable
-from jetctl.server.store import GroupCodec, TrajectoryStore
+from jetctl.server.store import TrajectoryStore
 from jetctl.server.trainer import Trainer
 from jetctl.types import TrajectoryGroup
 from tests.factories import make_group
@@ -33,7 +33,7 @@ def make_trainer(tmp_path: Path, cfg: ModelConfig, checkpoint_dir: str | None = 
                  model: Any = None) -> Trainer:
     if model is None:
         model, _ = load_trainable(cfg, attn_implementation="sdpa")
-    store = TrajectoryStore(tmp_path / "store.sqlite", decode=GroupCodec())
+    store = TrajectoryStore(tmp_path / "store.sqlite")
     trainer = Trainer(
         model, cfg, store, weights_lock=threading.Lock(),
         checkpoint_dir=checkpoint_dir or str(tmp_path / "checkpoints"),

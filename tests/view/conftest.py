@@ -23,7 +23,7 @@ from jetctl.client.spool import Spool
 from jetctl.models import load_tokenizer
 from jetctl.proto.convert import group_to_pb
 from jetctl.rundir import RunPaths, write_json_atomic
-from jetctl.server.store import GroupCodec, GroupFacts, Put, TrajectoryStore
+from jetctl.server.store import GroupFacts, Put, TrajectoryStore
 from jetctl.types import LLMCall, TrajectoryGroup, uuid7
 from tests.factories import make_group
 
@@ -83,7 +83,7 @@ def view_run(tmp_path_factory: pytest.TempPathFactory) -> ViewRun:
         for t in g.trajectories:
             t.client_id = "digits-0"
 
-    store = TrajectoryStore(paths.store("policy"), decode=GroupCodec())
+    store = TrajectoryStore(paths.store("policy"))
     store.open(trained_through_step=0)
     puts = [Put(GroupFacts.of(g), group_to_pb(g).SerializeToString())
             for g in (forgotten, flat, trained, buffered)]
