@@ -98,6 +98,11 @@ def group_from_pb(m: pb.TrajectoryGroup) -> TrajectoryGroup:
     )
 
 
+def group_from_bytes(payload: bytes) -> TrajectoryGroup:
+    """A group from the bytes it was stored in (a serialized `TrajectoryGroup`)."""
+    return group_from_pb(pb.TrajectoryGroup.FromString(payload))
+
+
 SUBMIT_GROUPS_FIELD = 1  # SubmitRequest.groups
 # WeightsChunk's field numbers (swarm.proto)
 WC_VERSION, WC_FORMAT, WC_KIND, WC_TOTAL_BYTES, WC_OFFSET, WC_DATA, WC_SHA256 = range(1, 8)

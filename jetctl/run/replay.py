@@ -242,14 +242,12 @@ class Replayer:
 
     def step(self, payloads: Sequence[bytes]) -> Replayed:
         """One optimizer step on the groups, as the trainer's `_train` takes it."""
-        from jetctl.proto._gen import swarm_pb2
-        from jetctl.proto.convert import group_from_pb
+        from jetctl.proto.convert import group_from_bytes
         from jetctl.server import algorithms
         from jetctl.server import weights as W
         from jetctl.server.step import train_step
 
-        groups = [group_from_pb(swarm_pb2.TrajectoryGroup.FromString(p)).trajectories
-                  for p in payloads]
+        groups = [group_from_bytes(p).trajectories for p in payloads]
         result = train_step(self.model, groups, self.cfg.train, algorithms.make(self.cfg.train),
                             max_grad_norm=self.cfg.optimizer.max_grad_norm)
         if not result.trained:
@@ -380,8 +378,7 @@ def write_bundle(
     step: int, out: Path,
 ) -> Path:
     """Step `step` of a run as a bundle tar (`FORMAT`) at `out`."""
-    from jetctl.proto._gen import swarm_pb2
-    from jetctl.proto.convert import group_from_pb
+    from jetctl.proto.convert import group_from_bytes
 
     records = read_records(steps_log)
     replayer = rebuild_before(cfg, store_path, records, checkpoint_root, step)
@@ -396,8 +393,7 @@ def write_bundle(
         "torch": torch.__version__,
         "record": record.to_json(),
         "model_config": cfg.model_dump(mode="json", exclude_unset=True),  # as written
-        "groups": [_group_summary(group_from_pb(swarm_pb2.TrajectoryGroup.FromString(p)), cfg)
-                   for p in payloads],
+        "groups": [_group_summary(group_from_bytes(p), cfg) for p in payloads],
     }
     files = {
         BUNDLE_JSON: json.dumps(meta, indent=1).encode(),

@@ -149,10 +149,9 @@ class StoredGroup:
     @cached_property
     def group(self) -> TrajectoryGroup:
         """The decoded group (in the trainer's thread: the Submit path never decodes)."""
-        from jetctl.proto._gen import swarm_pb2
-        from jetctl.proto.convert import group_from_pb
+        from jetctl.proto.convert import group_from_bytes
 
-        return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(self.payload))
+        return group_from_bytes(self.payload)
 
 
 @dataclass(frozen=True)

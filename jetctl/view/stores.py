@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jetctl.proto.convert import group_from_bytes
 from jetctl.rundir import RunPaths, read_json
 from jetctl.types import TrajectoryGroup
 
@@ -288,7 +289,7 @@ class RunView:
         needle = text.lower()
         found: list[GroupRow] = []
         for r in cursor:
-            group = _decode(r[-1])
+            group = group_from_bytes(r[-1])
             if any(needle in c.lower() for c in self.texts(model).completions(group)):
                 found.append(_row(model, r[:-1]))
                 if len(found) >= limit:
@@ -317,7 +318,7 @@ class RunView:
         row = _row(model, r[:-1])
         if r[-1] is None:
             return OpenedGroup(row, None)
-        group = _decode(r[-1])
+        group = group_from_bytes(r[-1])
         rewards = [t.reward for t in group.trajectories]
         name, advantages = self.advantages(model, rewards)
         zero = max(rewards, default=0.0) == min(rewards, default=0.0)
@@ -501,13 +502,6 @@ class RunView:
                 t.verdict = "never submitted: the client dropped it"
             if o is not None:
                 t.node = node
-
-
-def _decode(payload: bytes) -> TrajectoryGroup:
-    from jetctl.proto._gen import swarm_pb2
-    from jetctl.proto.convert import group_from_pb
-
-    return group_from_pb(swarm_pb2.TrajectoryGroup.FromString(payload))
 
 
 class Texts:

@@ -10,7 +10,7 @@
 # Returns: every `return` statement in a function's body, nested defs included.
 # Files: distinct files; hops: functions listed; a function in two stages counts once.
 # Usage: scripts/trajectory_path/count.sh [REV]   (default HEAD; the lists were made at
-# d129c1a: at another commit a renamed or moved function prints NOTFOUND)
+# the commit after 16cd2ff: at another commit a renamed or moved function prints NOTFOUND)
 set -euo pipefail
 rev=${1:-HEAD}
 here=$(dirname "$0")

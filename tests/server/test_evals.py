@@ -187,6 +187,12 @@ def test_an_eval_past_its_timeout_is_killed_and_counted(tmp_path: Path) -> None:
     asked = tmp_path / "asked"
     evals = InRunEval(tmp_path, {"rows": EvalConfig(every_steps=2, timeout_s=0.5)}, 0,
                       command=stand_in(asked, seconds=60))
+    assert_killed_at_timeout(evals)
+
+
+def assert_killed_at_timeout(evals: InRunEval) -> None:
+    """An eval whose child outlives its timeout (60 s, against 0.5) is killed at once and
+    counted as a failure, with no figures of its own."""
     evals.start()
     t0 = time.monotonic()
     try:
@@ -195,7 +201,7 @@ def test_an_eval_past_its_timeout_is_killed_and_counted(tmp_path: Path) -> None:
     finally:
         evals.stop()
     assert time.monotonic() - t0 < 20, "the child was not killed at its timeout"
-    assert rows == [{"eval/failures": 1.0}]  # no figures of the failed eval
+    assert rows == [{"eval/failures": 1.0}]
 
 
 @pytest.mark.unit
