@@ -648,7 +648,10 @@ def generation_publish_timeout_s(_: Path) -> None:
         try:
             long = GenRequest([5, 6, 7], max_tokens=60, temperature=1.0, top_p=1.0)
             running = asyncio.create_task(engine.engine.generate(long))
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while engine.engine.load().rows == 0:  # the reply under way
+                assert time.monotonic() < deadline, "the long reply never started"
+                await asyncio.sleep(0.01)
             t0 = time.monotonic()
             await asyncio.to_thread(replica.publish, 1)
             waited = time.monotonic() - t0
