@@ -480,6 +480,49 @@ def generation_threads(_: Path) -> None:
     assert seen == {1}
 
 
+def train_lend_threads(_: Path) -> None:
+    """With lend_threads, the engine's forwards run on generation.threads + train.threads
+    while the trainer computes no step, on its own threads while it does; without, always
+    on its own. An engine other than hf is refused."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jetctl.server.app import lending
+    from jetctl.server.engines import GenRequest, make_engine
+    from jetctl.server.locks import WeightsLock
+
+    def forward_threads(lend: bool, computing: bool) -> tuple[set[int], dict[str, float]]:
+        cfg = policy(model="builtin:tiny", generation={"threads": 1},
+                     train={"threads": 1, "lend_threads": lend})
+        model = load(cfg)
+        seen, undo = torch_threads_seen(model)
+        trainer = SimpleNamespace(computing=computing)
+
+        async def one() -> dict[str, float]:
+            engine = make_engine(cfg, model, eos_token_ids=[2], pad_token_id=2,
+                                 weights_lock=WeightsLock(), version=lambda: 0,
+                                 lent_threads=lending(cfg, trainer, 1)).engine  # type: ignore[arg-type]
+            engine.start()
+            try:
+                await engine.generate(GenRequest([5, 6, 7], 3, 1.0, 1.0))
+                return engine.take_figures()
+            finally:
+                await engine.stop()
+
+        figures = asyncio.run(one())
+        undo()
+        return seen, figures
+
+    seen, figures = forward_threads(lend=True, computing=False)
+    assert seen == {2} and figures["generate/lent_s"] > 0
+    seen, figures = forward_threads(lend=True, computing=True)
+    assert seen == {1} and figures["generate/lent_s"] == 0
+    seen, figures = forward_threads(lend=False, computing=False)
+    assert seen == {1} and figures["generate/lent_s"] == 0
+    refused("engine hf generating on a CPU",
+            models={"policy": {"engine": "continuous", "train": {"lend_threads": True}}})
+
+
 def train_threads(tmp_path: Path) -> None:
     from tests.server.trainer_support import submit
 
@@ -1114,6 +1157,7 @@ ROWS: dict[str, Row] = {
     "models.<name>.generation.batch_wait_ms": Effect(generation_batch_wait_ms),
     "models.<name>.generation.threads": Effect(generation_threads),
     "models.<name>.train.threads": Effect(train_threads),
+    "models.<name>.train.lend_threads": Effect(train_lend_threads),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
     "models.<name>.generation.device": Effect(generation_device),

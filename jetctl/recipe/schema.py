@@ -120,6 +120,12 @@ class TrainConfig(_Strict):
         description="CPU threads of the trainer's torch work (null: the cores generation.threads "
         "leaves, at least one)",
     )
+    lend_threads: bool = Field(
+        default=False,
+        description="while the trainer computes no step (it waits for groups), engine hf on "
+        "a CPU server uses train.threads too, checked before each forward (generate/lent_s in "
+        "the step row); engine hf on a CPU only",
+    )
     max_steps: int | None = Field(
         default=None, ge=1,
         description="stop training after this many steps (null: no limit); the server "
@@ -418,6 +424,16 @@ class ModelConfig(_Strict):
                     self.generation.threads,
                     "sets the CPU threads of the hf and continuous engines; engine vllm "
                     "generates on its GPU and does not read it: remove it",
+                )
+            )
+        gen_device = self.generation.device or self.device
+        if self.train.lend_threads and (self.engine != "hf" or not gen_device.startswith("cpu")):
+            problems.append(
+                Problem(
+                    ("train", "lend_threads"),
+                    self.train.lend_threads,
+                    f"lends the trainer's CPU threads to engine hf generating on a CPU; this "
+                    f"model's engine is {self.engine} on {gen_device}: remove it",
                 )
             )
         if self.finetune == "full" and self.train.kl_coef > 0:

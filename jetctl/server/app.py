@@ -123,6 +123,14 @@ def cpu_threads(cfg: ModelConfig) -> tuple[int, int]:
     return gen, train
 
 
+def lending(cfg: ModelConfig, trainer: Trainer, train_threads: int) -> Callable[[], int] | None:
+    """`train.lend_threads`: how many CPU threads the engine may borrow right now (the
+    trainer's, while it computes no step); None when the recipe lends none."""
+    if not cfg.train.lend_threads:
+        return None
+    return lambda: 0 if trainer.computing else train_threads
+
+
 @dataclass
 class Server:
     """A server `build` made, serving: what `run` watches and `drain` stops, in that order."""
@@ -204,6 +212,7 @@ async def build(opts: ServerOptions) -> Server:
         version=lambda: trainer.version,
         on_batch=lambda n, _tok, _s: metrics.generate_batch_size.observe(n),
         threads=gen_threads,
+        lent_threads=lending(cfg, trainer, train_threads),
     )
     _log_engine(cfg, serving)
     # tasks' `eval: {every_steps: N}`: `jetctl eval` in a child after each due checkpoint

@@ -109,6 +109,9 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the step under way (watchdog)
+        # True while a step's forward/backward and optimizer step run (train.lend_threads:
+        # the engine borrows this thread's CPU threads while it is False)
+        self.computing = False
         self._ready: list[StoredGroup] = []  # informative groups gathered for the next step
         self._skipped: list[Skipped] = []  # consumed without signal since the last step
         self._gather_since: float | None = None
@@ -318,16 +321,20 @@ class Trainer:
         lags = [s.facts.lag(self.version) for s in batch]
         for s, lag in zip(batch, lags):
             self.figures.note_lag(s.facts.task, lag)
-        result = train_step(
-            self.model, [s.group.trajectories for s in batch], self.cfg.train, self.algorithm,
-            max_grad_norm=self.cfg.optimizer.max_grad_norm,
-        )
-        scalars = dict(result.scalars)
-        with self.lock:
-            if result.trained:
-                self.optimizer.step()
-                self.version += 1
-            self.optimizer.zero_grad(set_to_none=True)
+        self.computing = True
+        try:
+            result = train_step(
+                self.model, [s.group.trajectories for s in batch], self.cfg.train,
+                self.algorithm, max_grad_norm=self.cfg.optimizer.max_grad_norm,
+            )
+            scalars = dict(result.scalars)
+            with self.lock:
+                if result.trained:
+                    self.optimizer.step()
+                    self.version += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            self.computing = False
         _synchronize(self.device)  # on CUDA, the step's kernels are done: its GPU seconds
         t_train = time.monotonic() - t0
         train_cpu_s = time.thread_time() - cpu0

@@ -49,10 +49,13 @@ def make_engine(
     version: Callable[[], int],
     on_batch: Callable[[int, int, float], None] | None = None,
     threads: int | None = None,
+    lent_threads: Callable[[], int] | None = None,
 ) -> ServingEngine:
     """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`.
 
-    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`.
+    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`;
+    `lent_threads`: how many more the hf worker may use right now (`train.lend_threads`:
+    the trainer's, while it computes no step).
     """
     from jetctl.server.engines.hf import HFEngine
     from jetctl.server.engines.replica import Replica
@@ -73,7 +76,7 @@ def make_engine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                 weights_lock=weights_lock, version=version,
                 max_batch_size=gen.max_batch_size, batch_wait_ms=gen.batch_wait_ms,
-                on_batch=on_batch, threads=threads,
+                on_batch=on_batch, threads=threads, lent_threads=lent_threads,
             ),
             publish=None, dtype=dtype,
         )
@@ -95,7 +98,7 @@ def make_engine(
             replica.model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
             weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
             batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch, threads=threads,
-            staged=replica if replica.staged else None,
+            staged=replica if replica.staged else None, lent_threads=lent_threads,
         )
         return ServingEngine(engine, publish=replica.publish, dtype=dtype)
     from jetctl.server.engines.continuous import ContinuousEngine

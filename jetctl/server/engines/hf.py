@@ -41,9 +41,10 @@ One worker thread owns generation and runs a decode loop over the model's forwar
   PPO-clip needs.
 * **Its own CPU threads** (`generation.threads`): generation and the trainer's
   forward/backward run at the same time in one process, and two torch thread pools that
-  each take every core slow both down several times on a small machine. (Borrowing the
-  trainer's threads while it waits for groups was tried and measured slower: beside the
-  client processes a 2-thread pool on 2 cores loses more to preemption than it gains.)
+  each take every core slow both down several times on a small machine. With
+  `train.lend_threads` (off by default), the worker also takes the trainer's threads while
+  the trainer computes no step (it waits for groups), checked before each forward
+  (`lent_threads`; `generate/lent_s` in the step row is the busy time spent with them).
 
 * **Faults fail requests, not the engine.** A forward that raises fails the replies it
   touched, and the next batch starts from an empty batch state (the failed batch's KV
@@ -167,6 +168,7 @@ class EngineFigures:
     prefill_tokens: int = 0  # actually computed (shared prompts once, cached prefixes never)
     reused_tokens: int = 0  # taken from the KV of earlier prompts and replies (same version)
     busy_s: float = 0.0
+    lent_s: float = 0.0  # of busy_s, with threads the trainer lent (train.lend_threads)
 
 
 class HFEngine:
@@ -186,6 +188,7 @@ class HFEngine:
         threads: int | None = None,
         kv_cache_bytes: int = KV_CACHE_BYTES,
         staged: Any = None,  # a Replica publishing staged versions (pending, apply_staged)
+        lent_threads: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
         self._staged = staged
@@ -197,6 +200,10 @@ class HFEngine:
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._on_batch = on_batch  # (rows in the step, tokens generated, seconds)
         self.threads = threads
+        # threads another worker lends right now (train.lend_threads: the trainer's, while
+        # it computes no step); checked before each forward
+        self.lent_threads = lent_threads
+        self._threads_now = 0  # the worker's torch threads, as last set
         self.device = torch.device("cpu")  # the model's, read when the worker starts
         self._cache_kwarg = "cache"
         self._incoming: list[_Pending] = []
@@ -253,6 +260,7 @@ class HFEngine:
             "generate/prompt_tokens": float(f.prompt_tokens),
             "generate/reused_tokens": float(f.reused_tokens),
             "generate/busy_s": f.busy_s,
+            "generate/lent_s": f.lent_s,
         }
 
     # --- the worker thread -----------------------------------------------------------
@@ -260,8 +268,7 @@ class HFEngine:
     def _work(self) -> None:
         self.device = next(self.model.parameters()).device
         self._cache_kwarg = _cache_kwarg(self.model)
-        if self.threads:
-            torch.set_num_threads(self.threads)  # this thread's pool only
+        self._use_threads()
         while True:
             with self._cond:
                 while not self._incoming and not self._stopping:
@@ -325,8 +332,18 @@ class HFEngine:
         waiting = getattr(self._lock, "waiting", None)
         return not self._rows if waiting is None else waiting == 0
 
+    def _use_threads(self) -> int:
+        """Set this worker's torch threads: its own plus those lent now; returns the lent."""
+        lent = self.lent_threads() if self.lent_threads is not None and self.threads else 0
+        want = (self.threads or 0) + lent
+        if want and want != self._threads_now:
+            torch.set_num_threads(want)  # this thread's pool only
+            self._threads_now = want
+        return lent
+
     def _run_guarded(self, fn: Callable[[], None], admitted: list[_Pending] | None) -> bool:
         """A failed forward fails the replies it touched, not the engine; False if it did."""
+        lent = self._use_threads()  # per forward: the trainer may have started or ended a step
         t0 = time.monotonic()
         self.busy_since = t0
         try:
@@ -340,8 +357,11 @@ class HFEngine:
             return False
         finally:
             self.busy_since = None
+            took = time.monotonic() - t0
             with self._figures_lock:
-                self._figures.busy_s += time.monotonic() - t0
+                self._figures.busy_s += took
+                if lent:
+                    self._figures.lent_s += took
         return True
 
     # --- admission: prefill and merge ------------------------------------------------
