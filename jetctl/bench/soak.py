@@ -98,10 +98,9 @@ async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int)
     import grpc
 
     from jetctl.auth import bearer
-    from jetctl.client.delivery import Delivery, DeliveryOptions
     from jetctl.client.metrics import ClientMetrics, NodeStats
     from jetctl.client.spool import Spool
-    from jetctl.client.transport import SwarmTransport
+    from jetctl.client.transport import Delivery, DeliveryOptions, SwarmTransport
     from jetctl.proto._gen import swarm_pb2 as pb
     from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
 

@@ -22,7 +22,7 @@ What one node does (docs/architecture.md sections 1, 2, 6):
    benchmark's producer, the node registers first and starts its rollouts after.
 3. Produce (production.py): run the agent on the env's tasks, `group_size` rollouts per
    task, and spool each GRPO group (durable).
-4. Deliver (delivery.py): push the spooled groups until each has an ack; a group leaves the
+4. Deliver (transport.py, `Delivery`): push the spooled groups until each has an ack; a group leaves the
    spool only on an ack. Rollouts never wait for training.
 5. SIGTERM (or `drain()`): stop taking tasks, let in-flight rollouts finish or time out,
    flush the spool within `drain_grace_s`, exit 0. What is left stays in the spool file and
@@ -60,7 +60,6 @@ import grpc
 
 from jetctl import tracing
 from jetctl.client.concurrency import START, Governor
-from jetctl.client.delivery import Delivery, DeliveryOptions, short_error
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.production import Producer, ProductionConfig, sleep_or
 from jetctl.client.proxy import Backend, Proxy, Sampling, ServedModel
@@ -68,10 +67,13 @@ from jetctl.client.rollout import RolloutRunner, reap_leftovers
 from jetctl.client.spool import Spool
 from jetctl.client.timeline import ChatRenderer
 from jetctl.client.transport import (
+    Delivery,
+    DeliveryOptions,
     EndpointNotFound,
     RetryPolicy,
     ServerBackend,
     SwarmTransport,
+    short_error,
 )
 from jetctl.costs import NodeWaste
 from jetctl.journal import SPOOL_TABLES, Journal

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
-from jetctl.client.delivery import Delivery
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.production import Producer, ProductionConfig
 from jetctl.client.rollout import Reported, RolloutResult, RolloutRunner, RolloutSpec
 from jetctl.client.spool import Spool
-from jetctl.client.transport import SwarmTransport
+from jetctl.client.transport import Delivery, SwarmTransport
 from jetctl.costs import NodeWaste, client_waste
 from jetctl.env import Spending, Task
 from jetctl.proto._gen import swarm_pb2 as pb

@@ -34,7 +34,7 @@ def _partition(run: ChaosRun, seconds: float) -> None:
 
 
 # 15 s: three times what a node's status needs to say unreachable (a Submit unanswered for
-# 5 s, jetctl.client.delivery.SILENT_S) and ample for a tiny group to cross the watermark;
+# 5 s, jetctl.client.transport.SILENT_S) and ample for a tiny group to cross the watermark;
 # the 60 s outage is the slow tier's
 @pytest.mark.timeout(300)
 def test_blackhole_15s(chaos_run: Callable[..., ChaosRun]) -> None:

@@ -16,10 +16,9 @@ from typing import Any
 import grpc
 import pytest
 
-from jetctl.client.delivery import Delivery, DeliveryOptions
 from jetctl.client.metrics import ClientMetrics, NodeStats
 from jetctl.client.spool import Spool, SpooledGroup
-from jetctl.client.transport import RetryPolicy, SwarmTransport
+from jetctl.client.transport import Delivery, DeliveryOptions, RetryPolicy, SwarmTransport
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
 from jetctl.proto.convert import group_to_pb
