@@ -163,8 +163,10 @@ def task_recipe(
     m["seed"] = seed
     if algorithm is not None:
         m["train"] = {**(m.get("train") or {}), "algorithm": algorithm}
-    if train:
-        m["train"] = {**(m.get("train") or {}), **train}
+    for key, value in (train or {}).items():  # "lr" -> train.lr; "generation.x" -> as named
+        section, _, name = key.rpartition(".")
+        block = section or "train"
+        m[block] = {**(m.get(block) or {}), name: value}
     t["seed"] = seed
     if latency_s > 0:
         t["env_args"] = {
@@ -401,8 +403,10 @@ def run_loop(recipe: dict[str, Any], out_dir: Path, seconds: float, latency_s: f
 # --- the bench -------------------------------------------------------------------------
 
 def parse_variant(text: str) -> dict[str, Any]:
-    """`--swarm-train` text -> train overrides: space-separated key=value, each value YAML
-    ("tis_cap=2.0 order=newest" -> {"tis_cap": 2.0, "order": "newest"})."""
+    """`--swarm-train` text -> the model's overrides: space-separated key=value, each value
+    YAML ("tis_cap=2.0 order=newest" -> {"tis_cap": 2.0, "order": "newest"}); a key names a
+    field of the model's train block, or `block.field` of another of its blocks
+    ("generation.max_batch_size=32")."""
     out: dict[str, Any] = {}
     for part in text.split():
         key, sep, value = part.partition("=")

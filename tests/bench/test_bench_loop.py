@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jetctl.bench.loop import CpuSampler, figures
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.unit
 
@@ -158,6 +161,21 @@ def test_a_swarm_variant_gets_its_own_columns_beside_the_one_loop() -> None:
     assert parse_variant("tis_cap=2.0 order=newest") == {"tis_cap": 2.0, "order": "newest"}
     with pytest.raises(ValueError, match="key=value"):
         parse_variant("tis_cap")
+
+
+def test_a_variant_sets_the_train_block_or_the_block_it_names() -> None:
+    """--swarm-train 'lr...': a bare key is train's; generation.max_batch_size is
+    generation's; a wrong key is refused with its path before any run starts."""
+    from jetctl.bench.loop import check_variant, parse_variant, task_recipe
+
+    raw = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    out = task_recipe(raw, "arithmetic", seconds=60, latency_s=0, seed=0, run_dir=Path("r"),
+                      train=parse_variant("lend_threads=true generation.max_batch_size=32"))
+    m = out["models"]["policy"]
+    assert m["train"]["lend_threads"] is True and m["train"]["groups_per_step"] == 2
+    assert m["generation"] == {**raw["models"]["policy"]["generation"], "max_batch_size": 32}
+    with pytest.raises(ValueError, match="generation.max_batch_sise"):
+        check_variant(ROOT / "recipes" / "quickstart.yaml", None, "generation.max_batch_sise=3")
 
 
 def test_steps_and_groups_to_a_reward_count_what_was_trained_by_then() -> None:

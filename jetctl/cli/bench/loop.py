@@ -42,6 +42,8 @@ def register(bench: typer.Typer) -> None:
         swarm_train: Annotated[list[str] | None, typer.Option(
             help="One more swarm run per latency and seed with these train settings, "
             "space-separated key=value, e.g. 'tis_cap=2.0' or 'order=newest max_staleness=2' "
+            "(a key of the model's train block, or block.key of another of its blocks: "
+            "'generation.max_batch_size=32') "
             "(repeat for several; the loop runs once, and the recipe's own swarm where "
             "--modes names the swarm: --modes loop --swarm-train X runs the loop and X only).",
         )] = None,
