@@ -1175,11 +1175,12 @@ ROWS: dict[str, Row] = {
     "models.<name>.limits.max_queued_generates": CoveredBy((
         "tests/server/test_engine_backpressure.py::test_past_max_queued_generates_generate_is_refused_with_a_retry_after_and_the_node_waits",
         "tests/server/test_engine_backpressure.py::test_a_node_whose_wait_outlasts_its_generate_timeout_fails_with_503",
-    ), weak="both hand LimitsConfig(...) to the service directly"),
+    ), weak="parsed from a recipe (parsed_limits), then handed to SwarmService by the test, "
+       "as jetctl.server.app._swarm_service does; that line runs only in a whole server"),
     "models.<name>.limits.max_concurrent_rpcs": CoveredBy((
         "tests/server/test_engine_backpressure.py::test_past_max_concurrent_rpcs_any_call_is_refused_until_one_finishes",
         "tests/server/test_engine_backpressure.py::test_a_concurrency_cap_not_above_the_generate_queue_is_refused_with_the_fix",
-    ), weak="LimitsConfig(...) handed to the service directly; the other test: its validation"),
+    )),  # parsed from a recipe (parsed_limits) into grpc_server, the server's own builder
     "models.<name>.host": Served(served_host),
     "models.<name>.advertise": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances",)),
     "models.<name>.runtime": CoveredBy(("tests/multihost/test_hosts.py::test_a_run_across_hosts_survives_a_partition_and_balances", "tests/multihost/test_ray.py::test_client_actors_run_on_the_worker_and_the_run_cleans_up")),
@@ -1207,12 +1208,9 @@ ROWS: dict[str, Row] = {
         f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",
         f"{CONCURRENCY}::test_a_node_with_a_slow_env_runs_more_rollouts_while_the_server_says_it_waits",
         f"{CONCURRENCY}::test_a_node_backs_off_to_one_group_while_the_engine_is_full",
-    ), weak=(
-        "TaskConfig(concurrency=2) directly; the concurrency tests leave it at auto (they test "
-        "the governor)")),
-    "tasks.<name>.rollout_timeout_s": CoveredBy(
-        (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",),
-        weak="TaskConfig(rollout_timeout_s=3.0) handed to the node directly"),
+    )),  # the backpressure test's task comes from a parsed recipe (parsed_task)
+    "tasks.<name>.rollout_timeout_s": CoveredBy(  # run_node parses its task from a recipe
+        (f"{NODE}::test_hanging_rollout_is_killed_with_its_children",)),
     "tasks.<name>.runtime": Effect(task_runtime),
     "tasks.<name>.image": Effect(task_image),
     "tasks.<name>.resources.cpus": Effect(task_resources),
@@ -1236,8 +1234,7 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.sampling.top_p": Effect(client_node, integration=True),
     "tasks.<name>.sampling.max_tokens": Effect(client_node, integration=True),
     "tasks.<name>.spool_max_bytes": CoveredBy(
-        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",),
-        weak="TaskConfig(spool_max_bytes=1024) handed to the node directly"),
+        (f"{NODE}::test_backpressure_stops_new_rollouts_and_keeps_unacked_groups",)),
     "tasks.<name>.seed": Effect(client_node, integration=True),
     "tasks.<name>.eval.every_steps": CoveredBy((
         f"{EVALS}::test_a_run_evaluates_its_due_checkpoints_and_shows_the_figures",

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from jetctl.client.node import ClientNode, NodeConfig
 from jetctl.client.spool import Spool
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.recipe import TaskConfig
+from jetctl.recipe import TaskConfig, parse_recipe
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
 
 pytestmark = pytest.mark.integration
@@ -37,9 +38,20 @@ def digit_reply(tokenizer: Any) -> Any:
     return reply
 
 
+def parsed_task(**task: Any) -> TaskConfig:
+    """Task `echo` of a recipe whose task block is `task` (the fake env unless it names
+    another), parsed as `jetctl up` parses it: what a node gets from the recipe's YAML."""
+    text = yaml.safe_dump({
+        "run": {"name": "t"},
+        "models": {"policy": {"model": "builtin:tiny"}},
+        "tasks": {"echo": {"model": "policy", "env": f"{FAKES}:make_env", **task}},
+    })
+    return parse_recipe(text, file="recipe.yaml", env={}).tasks["echo"]
+
+
 async def run_node(tmp_path: Path, fake: FakeSwarm, max_groups: int, **task: Any) -> ClientNode:
     server, _ = await start_fake_server(fake, tmp_path)
-    cfg = TaskConfig(model="policy", **{"env": f"{FAKES}:make_env", "concurrency": 4, **task})
+    cfg = parsed_task(**{"concurrency": 4, **task})
     node = ClientNode(
         NodeConfig(
             name="t-0",
@@ -242,9 +254,7 @@ async def test_backpressure_stops_new_rollouts_and_keeps_unacked_groups(
         submit_faults=["unavailable"] * 1000,
     )
     server, _ = await start_fake_server(fake, tmp_path)
-    cfg = TaskConfig(
-        model="policy",
-        env=f"{FAKES}:make_env",
+    cfg = parsed_task(
         agent=f"{FAKES}:async_agent",
         group_size=2,
         concurrency=2,

@@ -16,12 +16,13 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from jetctl.client.backend import BackendError, GenerateParams
 from jetctl.client.transport import ServerBackend, SwarmTransport
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
-from jetctl.recipe import LimitsConfig
+from jetctl.recipe import LimitsConfig, parse_recipe
 from jetctl.server.admission import Limits
 from jetctl.server.app import grpc_server
 from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
@@ -66,6 +67,18 @@ class GatedEngine:
         return GenResult(ids, [-0.5] * len(ids), 0, "length")
 
 
+def parsed_limits(**limits: int) -> LimitsConfig:
+    """models.policy.limits of a recipe that sets `limits`, parsed as `jetctl server` reads
+    it; `_serve` hands it to `grpc_server`, as the server does with its recipe's."""
+    text = yaml.safe_dump({
+        "run": {"name": "t"},
+        "models": {"policy": {"model": "builtin:tiny", "limits": limits}},
+        "tasks": {"digits": {"env": "envs.digits:make_env", "agent": "agents.digits:agent",
+                             "model": "policy"}},
+    })
+    return parse_recipe(text, file="recipe.yaml", env={}).models["policy"].limits
+
+
 async def _serve(
     tmp_path: Path, engine: GatedEngine, limits: LimitsConfig
 ) -> tuple[grpc.aio.Server, SwarmService, str]:
@@ -103,7 +116,7 @@ async def test_past_max_queued_generates_generate_is_refused_with_a_retry_after_
     tmp_path: Path,
 ) -> None:
     engine = GatedEngine(max_rows=1)
-    limits = LimitsConfig(max_queued_generates=2)
+    limits = parsed_limits(max_queued_generates=2)
     server, service, endpoint = await _serve(tmp_path, engine, limits)
     channel = grpc.aio.insecure_channel(endpoint)
     stub = pb_grpc.SwarmStub(channel)
@@ -149,7 +162,7 @@ async def test_a_node_whose_wait_outlasts_its_generate_timeout_fails_with_503(
     tmp_path: Path,
 ) -> None:
     engine = GatedEngine(max_rows=1)
-    server, service, endpoint = await _serve(tmp_path, engine, LimitsConfig(max_queued_generates=1))
+    server, service, endpoint = await _serve(tmp_path, engine, parsed_limits(max_queued_generates=1))
     channel = grpc.aio.insecure_channel(endpoint)
     stub = pb_grpc.SwarmStub(channel)
     held = [asyncio.ensure_future(stub.Generate(_request(i), timeout=30)) for i in (1, 2)]
@@ -179,7 +192,7 @@ async def test_past_max_concurrent_rpcs_any_call_is_refused_until_one_finishes(
     tmp_path: Path,
 ) -> None:
     engine = GatedEngine(max_rows=8)  # rows for every call: Generate's own bound stays quiet
-    limits = LimitsConfig(max_queued_generates=1, max_concurrent_rpcs=2)
+    limits = parsed_limits(max_queued_generates=1, max_concurrent_rpcs=2)
     server, service, endpoint = await _serve(tmp_path, engine, limits)
     channel = grpc.aio.insecure_channel(endpoint)
     stub = pb_grpc.SwarmStub(channel)
