@@ -1197,9 +1197,7 @@ ROWS: dict[str, Row] = {
     "tasks.<name>.roles": CoveredBy((
         "tests/client/test_team_node.py::test_each_role_reaches_its_model_and_trains_it_with_its_reward",
         "tests/test_recipe.py::test_a_team_names_its_models_under_roles",
-    ), weak=(
-        "the team node runs TEAM_TASK = TaskConfig(roles=...); test_recipe only reads the parsed "
-        "role_models")),
+    )),  # the team node's TEAM_TASK is parsed from TEAM_RECIPE, which sets roles
     "tasks.<name>.env_args": Effect(client_node, integration=True),
     "tasks.<name>.clients": CoveredBy(
         (f"{CONTROLLER}::test_start_status_and_down_drains_clients_before_servers",)),

@@ -19,7 +19,7 @@ from jetctl.link import ControlLink
 from jetctl.proto._gen import control_pb2 as cpb
 from jetctl.proto._gen import control_pb2_grpc as cpb_grpc
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.recipe import TaskConfig
+from jetctl.recipe import parse_recipe
 from jetctl.run.ledger import ledger_from_files
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
 
@@ -33,10 +33,23 @@ def asked_digit(tokenizer: Any, prompt_ids: list[int]) -> str:
     return found[-1] if found else "?"
 
 
-TEAM_TASK = TaskConfig(
-    env="envs.digits.team:make_env", agent="agents.digits:team_agent", roles=ROLES,
-    env_args={"digits": {"seven": 7, "three": 3}, "length": 4}, group_size=2, concurrency=2,
-)
+# the team task as `jetctl up` parses it from a recipe: its roles name the recipe's models
+TEAM_RECIPE = """
+run: {name: t}
+models:
+  big: {model: "builtin:tiny"}
+  small: {model: "builtin:tiny"}
+tasks:
+  team:
+    env: envs.digits.team:make_env
+    agent: agents.digits:team_agent
+    roles: {seven: big, three: small}
+    env_args: {digits: {seven: 7, three: 3}, length: 4}
+    group_size: 2
+    concurrency: 2
+"""
+TEAM_TASK = parse_recipe(TEAM_RECIPE, file="team.yaml", env={}).tasks["team"]
+assert TEAM_TASK.roles == ROLES
 
 
 async def run_team_node(
