@@ -1225,9 +1225,8 @@ ROWS: dict[str, Row] = {
         "tests/security/test_hostile_client.py::test_a_hostile_agent_is_contained_and_the_run_keeps_training",
     )),
     "tasks.<name>.inference": CoveredBy(
-        ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",),
-        weak="set in its recipe, but its asserts (groups acked, the calls' versions published) "
-        "hold as well with the server generating"),
+        # its recipe sets inference: local; the server's /metrics shows it generated no token
+        ("tests/client/test_local_inference.py::test_local_inference_node_trains_the_server",)),
     "tasks.<name>.sampling.temperature": Effect(client_node, integration=True),
     "tasks.<name>.sampling.top_p": Effect(client_node, integration=True),
     "tasks.<name>.sampling.max_tokens": Effect(client_node, integration=True),

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,13 @@ def test_local_inference_node_trains_the_server(tmp_path: Path) -> None:
         db = sqlite3.connect(tmp_path / "server-policy" / "store.sqlite")
         rows = db.execute("SELECT state, payload FROM groups").fetchall()
         db.close()
+        # inference: local: the node generated every token itself; the server, none
+        info = json.loads((tmp_path / "servers" / "policy.json").read_text())
+        with urllib.request.urlopen(f"http://{info['metrics']}/metrics", timeout=10) as r:
+            exposed = r.read().decode()
+        generated = re.search(r"^jetctl_server_tokens_generated_total (\S+)$", exposed,
+                              re.MULTILINE)
+        assert generated is not None and float(generated.group(1)) == 0.0
     finally:
         server.terminate()
         assert server.wait(60) == 0
