@@ -617,6 +617,54 @@ def train_kl_coef(tmp_path: Path) -> None:
     assert held["loss"] != free["loss"]
 
 
+def checkpoint_dir(tmp_path: Path) -> None:
+    """`jetctl server` from a recipe whose checkpoint.dir is a folder outside the run dir
+    takes one step (max_steps: 1) and checkpoints it: the checkpoint is in that folder, and
+    the run dir's own checkpoints folder holds none, also after the server's drain."""
+    from jetctl.auth import bearer, write_token
+    from jetctl.proto._gen import swarm_pb2 as pb
+    from jetctl.proto.convert import group_to_pb
+    from tests.server.test_server_process import TOKEN, rollout_group, stub
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    write_token(run_dir / "token", TOKEN)
+    data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    data["models"]["policy"]["checkpoint"] = {"dir": str(elsewhere), "every_steps": 1}
+    data["models"]["policy"]["train"].update(groups_per_step=1, max_steps=1)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(data))
+    (port,) = free_ports(1)
+    log = run_dir / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetctl.cli.main", "server", "--recipe", str(run_dir / "recipe.yaml"),
+         "--model", "policy", "--run-dir", str(run_dir), "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+    )
+    try:
+        endpoint_file = run_dir / "servers" / "policy.json"
+        deadline = time.monotonic() + 120
+        while not endpoint_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        s = stub(f"127.0.0.1:{port}")
+        group = rollout_group(s, [0.0, 1.0])  # a signal: the one step it takes
+        reply = s.Submit(pb.SubmitRequest(groups=[group_to_pb(group)]), metadata=bearer(TOKEN),
+                         timeout=30)
+        assert [a.code for a in reply.acks] == [pb.Ack.ACCEPTED]
+        deadline = time.monotonic() + 120  # the step, then its checkpoint (every_steps: 1)
+        while not (elsewhere.is_dir() and any(elsewhere.rglob("step-*"))):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.terminate()
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert [p.name for p in elsewhere.rglob("step-*") if p.is_dir()] == ["step-00000001"]
+    assert not list((run_dir / "checkpoints").rglob("step-*"))
+
+
 def checkpoint_every_steps_and_keep(tmp_path: Path) -> None:
     from tests.server.trainer_support import step, submit
 
@@ -1141,12 +1189,7 @@ ROWS: dict[str, Row] = {
     "models.<name>.train.mix_wait_s": Effect(train_mix_wait_s),
     "models.<name>.checkpoint.every_steps": Effect(checkpoint_every_steps_and_keep),
     "models.<name>.checkpoint.keep": Effect(checkpoint_every_steps_and_keep),
-    "models.<name>.checkpoint.dir": CoveredBy((
-        f"{TRAINER}::test_resume_restores_weights_optimizer_and_version",
-        "tests/test_recipe.py::test_checkpoint_urls_that_cannot_be_written_are_refused",
-    ), weak=(
-        "the trainer test hands checkpoint_dir= to the Trainer; the recipe field is read only "
-        "in jetctl.server.app.build, which needs a whole server")),
+    "models.<name>.checkpoint.dir": Effect(checkpoint_dir, integration=True),
     "models.<name>.checkpoint.keep_trained_groups": CoveredBy((
         "tests/run/test_replay.py::test_a_finished_run_replays_steps_chosen_at_random_and_a_changed_token_is_reported",
         "tests/run/test_replay.py::test_by_default_the_steps_after_the_oldest_checkpoint_kept_replay",
