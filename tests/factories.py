@@ -1,9 +1,13 @@
-"""Factories of small test objects (trajectory groups)."""
+"""Factories of small test objects (trajectory groups, parsed recipes)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import yaml
+
+from jetctl.recipe import Recipe, parse_recipe
 from jetctl.types import LLMCall, Trajectory, TrajectoryGroup, uuid7
 
 # a CI tier must fail, not skip, when its component is missing
@@ -41,3 +45,29 @@ def make_group(
         for r in rewards
     ]
     return TrajectoryGroup(id=gid, task=task, task_id="t0", model=model, trajectories=trajs)
+
+
+# the smallest valid recipe: one tiny model, one digits task
+GOOD_RECIPE: dict[str, Any] = {
+    "run": {"name": "t"},
+    "models": {"policy": {"model": "builtin:tiny"}},
+    "tasks": {"digits": {"env": "envs.digits:make_env", "agent": "agents.digits:agent",
+                         "model": "policy"}},
+}
+
+
+def recipe_text(**parts: Any) -> str:
+    """GOOD_RECIPE with `parts` merged in, as YAML: recipe_text(models={"policy": {"seed": 3}})."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD_RECIPE))
+    for key, value in parts.items():
+        if key == "run":
+            data["run"].update(value)
+        else:  # models / tasks: one mapping of fields per name
+            for name, fields in value.items():
+                data[key].setdefault(name, {}).update(fields)
+    return yaml.safe_dump(data)
+
+
+def parsed_recipe(**parts: Any) -> Recipe:
+    """GOOD_RECIPE with `parts` merged in, parsed as `jetctl up` parses a recipe file."""
+    return parse_recipe(recipe_text(**parts), file="r.yaml", env={})

@@ -48,16 +48,11 @@ from jetctl.recipe import (
     parse_recipe,
     reference_fields,
 )
+from tests.factories import GOOD_RECIPE, parsed_recipe, recipe_text
 
 ROOT = Path(__file__).resolve().parents[1]
-
-GOOD: dict[str, Any] = {
-    "run": {"name": "t"},
-    "models": {"policy": {"model": "builtin:tiny"}},
-    "tasks": {"digits": {"env": "envs.digits:make_env", "agent": "agents.digits:agent",
-                         "model": "policy"}},
-}
-
+GOOD = GOOD_RECIPE
+recipe = parsed_recipe  # the field checks' short name
 
 @dataclass(frozen=True)
 class Effect:
@@ -70,23 +65,6 @@ class CoveredBy:
     tests: tuple[str, ...]  # "tests/file.py::test_name"
     recipes: tuple[str, ...] = ()  # recipe files those tests run, where the field is set
     weak: str = ""  # why none of them sets the field through a recipe and shows its effect
-
-
-def recipe_text(**parts: Any) -> str:
-    """GOOD with `parts` merged in, as YAML: recipe_text(models={"policy": {"seed": 3}})."""
-    data = yaml.safe_load(yaml.safe_dump(GOOD))
-    for key, value in parts.items():
-        if key == "run":
-            data["run"].update(value)
-        else:  # models / tasks: one mapping of fields per name
-            for name, fields in value.items():
-                data[key].setdefault(name, {}).update(fields)
-    return yaml.safe_dump(data)
-
-
-def recipe(**parts: Any) -> Any:
-    """GOOD with `parts` merged in, parsed: recipe(models={"policy": {"seed": 3}})."""
-    return parse_recipe(recipe_text(**parts), file="r.yaml", env={})
 
 
 def policy(**fields: Any) -> ModelConfig:
@@ -635,17 +613,8 @@ def checkpoint_dir(tmp_path: Path) -> None:
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(data))
     (port,) = free_ports(1)
     log = run_dir / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jetctl.cli.main", "server", "--recipe", str(run_dir / "recipe.yaml"),
-         "--model", "policy", "--run-dir", str(run_dir), "--port", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
-    )
+    proc = start_server(run_dir, port)
     try:
-        endpoint_file = run_dir / "servers" / "policy.json"
-        deadline = time.monotonic() + 120
-        while not endpoint_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
         s = stub(f"127.0.0.1:{port}")
         group = rollout_group(s, [0.0, 1.0])  # a signal: the one step it takes
         reply = s.Submit(pb.SubmitRequest(groups=[group_to_pb(group)]), metadata=bearer(TOKEN),
@@ -1029,22 +998,29 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     data["tasks"]["digits"]["sampling"] = {"max_tokens": 3}
     (rd / "recipe.yaml").write_text(yaml.safe_dump(data))
     port, metrics_port = free_ports(2)
-    log = (rd / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jetctl.cli.main", "server", "--recipe", str(rd / "recipe.yaml"),
-         "--model", "policy", "--run-dir", str(rd), "--port", str(port),
-         "--metrics-port", str(metrics_port)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-    )
-    endpoint = rd / "servers" / "policy.json"
-    deadline = time.monotonic() + 120
-    while not endpoint.exists():
-        assert proc.poll() is None, (rd / "server.log").read_text()
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+    proc = start_server(rd, port, "--metrics-port", str(metrics_port))
     yield Server(f"localhost:{port}", metrics_port, rd)
     proc.terminate()
     proc.wait(60)
+
+
+def start_server(run_dir: Path, port: int, *more: str) -> subprocess.Popen[bytes]:
+    """`jetctl server` of policy from run_dir/recipe.yaml, once it serves (its endpoint file
+    written); its output in run_dir/server.log."""
+    log = run_dir / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetctl.cli.main", "server", "--recipe", str(run_dir / "recipe.yaml"),
+         "--model", "policy", "--run-dir", str(run_dir), "--port", str(port), *more],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "servers" / "policy.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(30)
+            raise AssertionError(f"the server did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc
 
 
 def stub(server: Server) -> Any:

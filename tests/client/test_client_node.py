@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from jetctl.client.node import ClientNode, NodeConfig
 from jetctl.client.spool import Spool
 from jetctl.proto._gen import swarm_pb2 as pb
-from jetctl.recipe import TaskConfig, parse_recipe
+from jetctl.recipe import TaskConfig
 from tests.client.client_fakes import TOKEN, FakeSwarm, start_fake_server
+from tests.factories import parsed_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +39,9 @@ def digit_reply(tokenizer: Any) -> Any:
 
 
 def parsed_task(**task: Any) -> TaskConfig:
-    """Task `echo` of a recipe whose task block is `task` (the fake env unless it names
-    another), parsed as `jetctl up` parses it: what a node gets from the recipe's YAML."""
-    text = yaml.safe_dump({
-        "run": {"name": "t"},
-        "models": {"policy": {"model": "builtin:tiny"}},
-        "tasks": {"echo": {"model": "policy", "env": f"{FAKES}:make_env", **task}},
-    })
-    return parse_recipe(text, file="recipe.yaml", env={}).tasks["echo"]
+    """A task whose block is `task` (the fake env unless it names another), parsed from a
+    recipe as `jetctl up` parses it: what a node gets from the recipe's YAML."""
+    return parsed_recipe(tasks={"digits": {"env": f"{FAKES}:make_env", **task}}).tasks["digits"]
 
 
 async def run_node(tmp_path: Path, fake: FakeSwarm, max_groups: int, **task: Any) -> ClientNode:

@@ -16,19 +16,19 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 
 from jetctl.client.backend import BackendError, GenerateParams
 from jetctl.client.transport import ServerBackend, SwarmTransport
 from jetctl.proto._gen import swarm_pb2 as pb
 from jetctl.proto._gen import swarm_pb2_grpc as pb_grpc
-from jetctl.recipe import LimitsConfig, parse_recipe
+from jetctl.recipe import LimitsConfig
 from jetctl.server.admission import Limits
 from jetctl.server.app import grpc_server
 from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 from jetctl.server.metrics import ServerMetrics
 from jetctl.server.service import RETRY_AFTER_KEY, SwarmService
 from jetctl.server.store import TrajectoryStore
+from tests.factories import parsed_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -70,13 +70,7 @@ class GatedEngine:
 def parsed_limits(**limits: int) -> LimitsConfig:
     """models.policy.limits of a recipe that sets `limits`, parsed as `jetctl server` reads
     it; `_serve` hands it to `grpc_server`, as the server does with its recipe's."""
-    text = yaml.safe_dump({
-        "run": {"name": "t"},
-        "models": {"policy": {"model": "builtin:tiny", "limits": limits}},
-        "tasks": {"digits": {"env": "envs.digits:make_env", "agent": "agents.digits:agent",
-                             "model": "policy"}},
-    })
-    return parse_recipe(text, file="recipe.yaml", env={}).models["policy"].limits
+    return parsed_recipe(models={"policy": {"limits": limits}}).models["policy"].limits
 
 
 async def _serve(
