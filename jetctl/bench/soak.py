@@ -10,9 +10,12 @@ BUSY and RESOURCE_EXHAUSTED honoured). The groups are scripted (`GroupMaker`, ~`
 each, fresh ids, one trajectory rewarded 1.0 and the others 0.5, so each has a learning
 signal and the server takes optimizer steps on it), not rolled out: the figures are of the server's and the spool's costs as
 they age, not of an agent's. Per window: Submit p50/p99 (from the delivery's acks), the
-latency of one Status call at the window's end, the server's RSS, the store's and the
-spool's bytes on disk (file + WAL). At the end: every group acked, and the store holds each
-once (nothing lost).
+latency of a Status call at the window's end (the median of `STATUS_CALLS`), the server's RSS,
+the store's and the spool's bytes on disk (file + WAL). The first window ends at `EARLY`
+groups (10k) when `window` is larger, so the end can be compared with a young run. At the
+end: every group acked, and the store holds each once (nothing lost); `SoakResult.goals()`
+checks the long-run goal (issue 25): Submit p99 and Status at the end within 1.5x of those
+at 10k, the server's RSS at the end within +10% of that after the first 100k.
 
 Left out: the controller (no `jetctl up`: one server, one in-process node), rollouts and
 generation (the swarm's Generate path has `jetctl bench loop` and `bench ingest`).
@@ -46,6 +49,11 @@ tasks:
     agent: agents.digits:agent
     model: policy
 """
+EARLY = 10_000  # the first window's edge when `window` is larger: "a young run"
+STATUS_CALLS = 5  # Status calls per window's end; their median is the window's figure
+GOAL_RATIO = 1.5  # Submit p99 and Status at the end vs at EARLY
+GOAL_RSS = 1.10  # RSS at the end vs after RSS_FROM groups
+RSS_FROM = 100_000
 SPOOL_MAX_BYTES = 64 << 20  # the scripted node stops adding groups above this, as a node does
 BATCH_GROUPS = 8  # a node's groups per Submit (DeliveryOptions' default)
 
@@ -75,9 +83,31 @@ class SoakResult:
     def nothing_lost(self) -> bool:
         return self.acked == self.groups and self.stored == self.groups
 
+    def goals(self) -> list[tuple[str, float, float, bool]]:
+        """(what, measured ratio, bound, met) for each long-run goal the windows can judge:
+        the last window against the first (Submit p99, Status) and against the first window
+        at or past RSS_FROM groups (RSS); none with fewer than two windows."""
+        if len(self.windows) < 2:
+            return []
+        first, last = self.windows[0], self.windows[-1]
+        out = []
+        for what, a, b in (("submit p99", first.submit_p99_ms, last.submit_p99_ms),
+                           ("status", first.status_ms, last.status_ms)):
+            ratio = b / a if a > 0 else float("inf")
+            out.append((f"{what} at {last.groups:,} / at {first.groups:,}", ratio, GOAL_RATIO,
+                        ratio <= GOAL_RATIO))
+        base = next((w for w in self.windows if w.groups >= RSS_FROM), None)
+        if base is not None and base is not last:
+            ratio = last.server_rss_mib / base.server_rss_mib
+            out.append((f"server RSS at {last.groups:,} / at {base.groups:,}", ratio, GOAL_RSS,
+                        ratio <= GOAL_RSS))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["nothing_lost"] = self.nothing_lost
+        out["goals"] = [{"what": w, "ratio": r, "bound": b, "met": m}
+                        for w, r, b, m in self.goals()]
         return out
 
 
@@ -125,7 +155,7 @@ async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int)
     channel = grpc.aio.insecure_channel(server.endpoint)
     status = pb_grpc.SwarmStub(channel).Status
     t0 = time.monotonic()
-    made, next_edge = 0, min(window, groups)
+    made, next_edge = 0, min(window, EARLY, groups)
     try:
         while acked < groups:
             while made < groups and spool.bytes() < SPOOL_MAX_BYTES and made - acked < 4096:
@@ -138,10 +168,13 @@ async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int)
             delivery.wake()
             await asyncio.sleep(0.005)
             if acked >= next_edge:
-                ts = time.perf_counter()
-                reply = await status(pb.StatusRequest(), metadata=bearer(server.token),
-                                     timeout=30)
-                status_ms = (time.perf_counter() - ts) * 1000
+                calls = []
+                for _ in range(STATUS_CALLS):
+                    ts = time.perf_counter()
+                    reply = await status(pb.StatusRequest(), metadata=bearer(server.token),
+                                         timeout=30)
+                    calls.append((time.perf_counter() - ts) * 1000)
+                status_ms = float(np.median(calls))
                 ms = np.array(latencies or [0.0]) * 1000
                 result.windows.append(SoakWindow(
                     groups=acked, submit_p50_ms=float(np.percentile(ms, 50)),
@@ -151,7 +184,7 @@ async def _soak(server: BenchServer, groups: int, window: int, group_bytes: int)
                     trained_groups=int(reply.trained_groups),
                 ))
                 latencies.clear()
-                next_edge = min(next_edge + window, groups)
+                next_edge = min((next_edge // window + 1) * window, groups)
     finally:
         delivery.stop()
         await sender

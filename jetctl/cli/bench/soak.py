@@ -12,7 +12,8 @@ def register(bench: typer.Typer) -> None:
     @bench.command("soak")
     def soak(
         groups: Annotated[int, typer.Option(help="Groups to push through the server.")] = 1_000_000,
-        window: Annotated[int, typer.Option(help="Groups per window of figures.")] = 100_000,
+        window: Annotated[int, typer.Option(help=(
+            "Groups per window of figures (the first ends at 10,000 when this is larger)."))] = 100_000,
         group_bytes: Annotated[int, typer.Option(help="Approximate bytes per group.")] = 1024,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
@@ -45,6 +46,8 @@ def register(bench: typer.Typer) -> None:
                               f"{w.store_bytes:,}", f"{w.spool_bytes:,}",
                               f"{w.trained_groups:,}")
             Console().print(table)
+            for what, ratio, bound, met in out.goals():
+                print(f"{'met   ' if met else 'MISSED'} {what}: {ratio:.2f}x (goal <= {bound}x)")
             print(f"acked {out.acked:,}, stored {out.stored:,}: "
                   + ("nothing lost" if out.nothing_lost else "LOST GROUPS"))
         if not out.nothing_lost:
