@@ -803,8 +803,7 @@ class Delivery:
             return len(batch)
         finally:
             self._submit_since = None  # answered, failed or cancelled: no Submit under way
-        if self._on_acked is not None:
-            self._on_acked(time.perf_counter() - t0, len(batch))
+        seconds = time.perf_counter() - t0
         if self._link_down_since is not None:
             # the link is back: everything deferred goes now, not after its backoff
             resent = self.spool.retry_now(model=self.model)
@@ -815,13 +814,18 @@ class Delivery:
             self._link_down_since = None
         self._sent_one_by_one()
         acks = {a.group_id: a for a in reply.acks}
+        recorded = 0
         for item in batch:
             ack = acks.get(item.id)
             outcome = ACK_OUTCOME.get(ack.code) if ack is not None else None
-            if ack is None or outcome is None:
+            if ack is None or outcome is None:  # e.g. the server's buffer full: sent again
                 self.spool.defer(item.id, self._resend_delay(item.attempts))
                 continue
             self._record_ack(item, outcome, ack.reason)
+            recorded += 1
+        if self._on_acked is not None:
+            # only groups with an outcome: a deferred one is counted when it gets one
+            self._on_acked(seconds, recorded)
         return len(batch)
 
     def _failed(self, batch: list[PendingGroup], e: grpc.aio.AioRpcError | EndpointNotFound) -> None:
