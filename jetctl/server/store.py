@@ -78,6 +78,9 @@ CREATE TABLE IF NOT EXISTS groups (
     refusal TEXT NOT NULL DEFAULT ''    -- stale | invalid | revision when state = 'rejected'
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
+-- the groups that still hold a payload, by step: forget_payloads reads these only, not
+-- every trained group of the run (a scan that took 0.44 s a checkpoint at 440k groups)
+CREATE INDEX IF NOT EXISTS groups_unforgotten ON groups(step) WHERE payload IS NOT NULL;
 CREATE TABLE IF NOT EXISTS epochs (
     epoch INTEGER PRIMARY KEY,      -- 1, 2, ...: one per server start
     resumed_from INTEGER NOT NULL,  -- the checkpoint version it restored
@@ -626,9 +629,11 @@ class TrajectoryStore:
         row and facts (trajectory ids, rewards) stay whatever happens to its payload.
         """
         with self._db_lock:
+            # INDEXED BY: without statistics sqlite picks groups_state, and state='trained'
+            # is nearly every row of an old run
             self._db.execute(
-                "UPDATE groups SET payload=NULL WHERE state='trained' AND step <= ? "
-                "AND payload IS NOT NULL",
+                "UPDATE groups INDEXED BY groups_unforgotten SET payload=NULL "
+                "WHERE payload IS NOT NULL AND step <= ? AND state='trained'",
                 (through_step,),
             )
 
