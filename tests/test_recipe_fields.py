@@ -51,8 +51,7 @@ from jetctl.recipe import (
 from tests.factories import GOOD_RECIPE, parsed_recipe, recipe_text
 
 ROOT = Path(__file__).resolve().parents[1]
-GOOD = GOOD_RECIPE
-recipe = parsed_recipe  # the field checks' short name
+
 
 @dataclass(frozen=True)
 class Effect:
@@ -68,13 +67,13 @@ class CoveredBy:
 
 
 def policy(**fields: Any) -> ModelConfig:
-    """models.policy of GOOD with `fields` set, parsed as the server gets it."""
-    return recipe(models={"policy": fields}).models["policy"]
+    """models.policy of GOOD_RECIPE with `fields` set, parsed as the server gets it."""
+    return parsed_recipe(models={"policy": fields}).models["policy"]
 
 
 def refused(message: str, **parts: Any) -> None:
     with pytest.raises(RecipeError) as caught:
-        recipe(**parts)
+        parsed_recipe(**parts)
     assert message in caught.value.render(), caught.value.render()
 
 
@@ -93,11 +92,11 @@ def load(cfg: ModelConfig) -> Any:
 
 
 def run_name(_: Path) -> None:
-    assert recipe(run={"name": "exp7"}).run_dir == "runs/exp7"
+    assert parsed_recipe(run={"name": "exp7"}).run_dir == "runs/exp7"
 
 
 def run_dir(_: Path) -> None:
-    assert recipe(run={"name": "exp7", "dir": "/data/runs/x"}).run_dir == "/data/runs/x"
+    assert parsed_recipe(run={"name": "exp7", "dir": "/data/runs/x"}).run_dir == "/data/runs/x"
 
 
 @pytest.fixture
@@ -284,7 +283,7 @@ def train_algorithm(tmp_path: Path) -> None:
     """Each algorithm's formula: tests/server/test_algorithms.py; learning: ..._learn.py."""
     from tests.server.trainer_support import step, submit
 
-    assert recipe().models["policy"].train.algorithm == "grpo"
+    assert parsed_recipe().models["policy"].train.algorithm == "grpo"
     refused("did you mean 'rloo'?", models={"policy": {"train": {"algorithm": "rlo"}}})
     losses = {}
     for name in ("grpo", "rloo"):  # rewards 0, 1, 0.5: A = -1.22, 1.22, 0 vs -0.75, 0.75, 0
@@ -300,8 +299,8 @@ def train_algorithm(tmp_path: Path) -> None:
 
 def train_mix(_: Path) -> None:
     """Validation here; what a mix does to the batches: tests/server/test_mixing.py."""
-    assert recipe().models["policy"].train.mix == {}
-    assert recipe(models={"policy": {"train": {"mix": {"digits": 1.0}}}}).models[
+    assert parsed_recipe().models["policy"].train.mix == {}
+    assert parsed_recipe(models={"policy": {"train": {"mix": {"digits": 1.0}}}}).models[
         "policy"].train.mix == {"digits": 1.0}
     refused("shares sum to 0.8, not 1", models={"policy": {"train": {"mix": {"digits": 0.8}}}})
     refused("'digit' is not a task that trains policy (those: digits); did you mean 'digits'?",
@@ -312,7 +311,7 @@ def train_mix(_: Path) -> None:
 
 
 def train_mix_wait_s(_: Path) -> None:
-    assert recipe().models["policy"].train.mix_wait_s == 10.0
+    assert parsed_recipe().models["policy"].train.mix_wait_s == 10.0
     refused("only applies with train.mix", models={"policy": {"train": {"mix_wait_s": 5}}})
 
 
@@ -549,7 +548,7 @@ def lora_dropout(_: Path) -> None:
 
 
 def trainer_of(tmp_path: Path, **fields: Any) -> Any:
-    """A Trainer (tests/server/trainer_support.py) on models.policy of GOOD with `fields`,
+    """A Trainer (tests/server/trainer_support.py) on models.policy of GOOD_RECIPE with `fields`,
     one group per step."""
     train = {"groups_per_step": 1, **fields.pop("train", {})}
     return make_trainer(tmp_path, policy(train=train, **fields))
@@ -757,7 +756,7 @@ def run_tls_hosts(tmp_path: Path) -> None:
     from jetctl.tls import prepare_run_tls
 
     def names(name: str, **tls: Any) -> set[str]:
-        files = prepare_run_tls(recipe(run={"tls": {"mode": "mtls", **tls}}), tmp_path / name)
+        files = prepare_run_tls(parsed_recipe(run={"tls": {"mode": "mtls", **tls}}), tmp_path / name)
         assert files is not None
         cert = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -793,7 +792,7 @@ class FakeDocker:
 
 
 def node_started(tmp_path: Path, **task: Any) -> tuple[Any, FakeDocker]:
-    """digits-0 of GOOD with `task`'s fields, as the controller builds its spec from the
+    """digits-0 of GOOD_RECIPE with `task`'s fields, as the controller builds its spec from the
     parsed recipe and hands it to its runtime: a docker runtime on a fake engine."""
     from jetctl.controller.controller import Controller
     from jetctl.controller.runtimes.docker import DockerRuntime
@@ -879,7 +878,7 @@ def client_node(tmp_path: Path) -> None:
     )
     from tests.client.test_client_node import digit_reply
 
-    task = recipe(models={"writer": {"model": "builtin:tiny"}}, tasks={"digits": {
+    task = parsed_recipe(models={"writer": {"model": "builtin:tiny"}}, tasks={"digits": {
         "model": "writer", "agent": "tests.client.client_fakes:bare_agent",
         "env_args": {"digit": 3, "length": 5}, "group_size": 3, "concurrency": 3, "seed": 5,
         "sampling": {"temperature": 0.5, "top_p": 0.8, "max_tokens": 3},
@@ -988,7 +987,7 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     rd = tmp_path_factory.mktemp("run")
     write_token(rd / "token", "tok")
-    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data = yaml.safe_load(yaml.safe_dump(GOOD_RECIPE))
     data["models"]["policy"].update({
         "finetune": "full", "host": "localhost",
         "generation": {"max_new_tokens": 3, "max_context_tokens": 40, "max_batch_size": 1},
