@@ -457,6 +457,53 @@ def generation_threads(_: Path) -> None:
     assert seen == {1}
 
 
+def generation_workers(_: Path) -> None:
+    """With workers: 2, two engine threads each decode their own batch on their share of
+    generation.threads; a group's requests stay on one; a publish reaches both. Another
+    engine, and lend_threads beside it, are refused."""
+    import asyncio
+    import threading
+
+    from jetctl.server.engines import GenRequest, make_engine
+    from jetctl.server.locks import WeightsLock
+
+    cfg = tiny(finetune="lora", generation={"threads": 2, "workers": 2})
+    model = load(cfg)
+    ran: dict[str, set[int]] = {}
+    handle = model.register_forward_hook(  # deep-copied with the model into each replica
+        lambda *_: ran.setdefault(threading.current_thread().name, set()).add(
+            torch.get_num_threads()))
+
+    async def two_groups() -> tuple[list[int], Any]:
+        serving = make_engine(cfg, model, eos_token_ids=[2], pad_token_id=2,
+                              weights_lock=WeightsLock(), version=lambda: 0)
+        serving.engine.start()
+        try:
+            group = [GenRequest([5, 6, 7], 6, 1.0, 1.0) for _ in range(4)]
+            other = [GenRequest([9, 8, 7, 6], 6, 1.0, 1.0) for _ in range(4)]
+            first = [asyncio.ensure_future(serving.engine.generate(r)) for r in group]
+            await asyncio.sleep(0)
+            second = [asyncio.ensure_future(serving.engine.generate(r)) for r in other]
+            await asyncio.gather(*first, *second)
+            assert serving.publish is not None
+            serving.publish(1)
+            after = await serving.engine.generate(GenRequest([5, 6, 7], 2, 1.0, 1.0))
+            routed = [serving.engine.route([5, 6, 7]), serving.engine.route([9, 8, 7, 6])]
+            return routed, after
+        finally:
+            await serving.engine.stop()
+
+    routed, after = asyncio.run(two_groups())
+    handle.remove()
+    assert ran == {"engine-0": {1}, "engine-1": {1}}, ran  # both decoded, one thread each
+    assert sorted(routed) == [0, 1]  # each group on its own worker, and it stays there
+    assert after.model_version == 1
+    refused("runs several engine hf workers side by side",
+            models={"policy": {"engine": "continuous", "generation": {"workers": 2}}})
+    refused("the workers already use the cores",
+            models={"policy": {"generation": {"workers": 2}, "train": {"lend_threads": True}}})
+
+
 def train_lend_threads(_: Path) -> None:
     """With lend_threads, the engine's forwards run on generation.threads + train.threads
     while the trainer computes no step, on its own threads while it does; without, always
@@ -1201,6 +1248,7 @@ ROWS: dict[str, Row] = {
     "models.<name>.generation.threads": Effect(generation_threads),
     "models.<name>.train.threads": Effect(train_threads),
     "models.<name>.train.lend_threads": Effect(train_lend_threads),
+    "models.<name>.generation.workers": Effect(generation_workers),
     "models.<name>.generation.max_new_tokens": Served(served_max_new_tokens),
     "models.<name>.generation.max_context_tokens": Served(served_max_context_tokens),
     "models.<name>.generation.device": Effect(generation_device),

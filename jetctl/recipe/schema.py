@@ -228,6 +228,16 @@ class GenerationConfig(_Strict):
         description="CPU threads of the engine's torch work (null: half of this host's cores "
         "on a CPU server, the rest go to train.threads; generation and training run at once)",
     )
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="engine hf only: how many batches it decodes at once, each on its own "
+        "worker thread and its own copy of the adapter (or of the weights in "
+        "generation.dtype; finetune: full, of the whole model), with generation.threads "
+        "shared out among them (at least one each). A group's requests and a "
+        "conversation's turns stay on one worker. On a CPU, two batches of SmolLM2-135M "
+        "on one thread each decode 1.6-1.8x the tokens a second of one batch on two "
+        "threads (1.04-1.2x)",
+    )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"
     )
@@ -434,6 +444,25 @@ class ModelConfig(_Strict):
                     self.train.lend_threads,
                     f"lends the trainer's CPU threads to engine hf generating on a CPU; this "
                     f"model's engine is {self.engine} on {gen_device}: remove it",
+                )
+            )
+        if self.generation.workers > 1 and self.engine != "hf":
+            problems.append(
+                Problem(
+                    ("generation", "workers"),
+                    self.generation.workers,
+                    f"runs several engine hf workers side by side; engine {self.engine} "
+                    "batches on its own: remove it or set 1",
+                )
+            )
+        if self.generation.workers > 1 and self.train.lend_threads:
+            problems.append(
+                Problem(
+                    ("train", "lend_threads"),
+                    self.train.lend_threads,
+                    f"lends the trainer's threads to one engine worker; with "
+                    f"generation.workers {self.generation.workers} the workers already use "
+                    "the cores: remove it, or set generation.workers to 1",
                 )
             )
         if self.finetune == "full" and self.train.kl_coef > 0:

@@ -5,7 +5,8 @@
                 LoRA (the adapter copied, the frozen base shared; publishes staged), when
                 `generation.device` is set (a second GPU) or the engine generates in
                 another dtype than the model's (`generation.dtype`; engines/dtype.py:
-                what `auto` picks here)
+                what `auto` picks here); `generation.workers: N` runs N of them, each on
+                its own replica (engines/workers.py)
     continuous  engines/continuous.py: transformers' continuous batching + paged KV cache,
                 always on a replica (`generation.device`, else the trainer's device)
     vllm        engines/vllm.py: vLLM's AsyncLLM (EXPERIMENTAL: not yet run on a GPU)
@@ -53,7 +54,7 @@ def make_engine(
 ) -> ServingEngine:
     """The engine `cfg.engine` names, serving `model` (the trainer's) at `version()`.
 
-    `threads`: torch threads of the engine's own worker (hf), else `generation.threads`;
+    `threads`: torch threads of each of the engine's workers (hf), else `generation.threads`;
     `lent_threads`: how many more the hf worker may use right now (`train.lend_threads`:
     the trainer's, while it computes no step).
     """
@@ -62,6 +63,8 @@ def make_engine(
 
     gen = cfg.generation
     threads = threads or gen.threads
+    if threads and gen.workers > 1:  # generation's threads shared out, at least one each
+        threads = max(1, threads // gen.workers)
     dtype = pick_generation_dtype(
         gen.dtype, model, model_dtype=cfg.dtype, engine=cfg.engine,
         device=gen.device or cfg.device, threads=threads,
@@ -70,7 +73,7 @@ def make_engine(
     # does a LoRA model on hf: the copy shares the frozen base and holds its own adapter, so
     # the trainer's optimizer step never waits for the engine's batch to drain
     same = gen.device is None and dtype.dtype is None
-    if cfg.engine == "hf" and same and cfg.finetune != "lora":
+    if cfg.engine == "hf" and same and cfg.finetune != "lora" and gen.workers == 1:
         return ServingEngine(
             HFEngine(
                 model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
@@ -85,27 +88,43 @@ def make_engine(
 
         vllm = VLLMEngine(cfg, model, eos_token_ids=eos_token_ids, version=version())
         return ServingEngine(vllm, publish=vllm.publish, dtype=dtype)
-    # hf: held around each decode step (a waiting publish stops admissions); continuous: replaced
-    lock = WeightsLock()
-    replica = Replica(
-        model, device=gen.device or cfg.device, version=version(),
-        timeout_s=gen.publish_timeout_s, gate=lock, dtype=dtype.dtype,
-        staged=cfg.engine == "hf",  # the trainer stages a step's weights and goes on
-        share_frozen=same,
-    )
-    if cfg.engine == "hf":
-        engine: Engine = HFEngine(
+
+    def hf_on_replica() -> tuple[HFEngine, Replica]:
+        # hf: held around each decode step (a waiting publish stops admissions)
+        lock = WeightsLock()
+        replica = Replica(
+            model, device=gen.device or cfg.device, version=version(),
+            timeout_s=gen.publish_timeout_s, gate=lock, dtype=dtype.dtype,
+            staged=True,  # the trainer stages a step's weights and goes on
+            share_frozen=same,
+        )
+        engine = HFEngine(
             replica.model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
             weights_lock=lock, version=replica.serving_version, max_batch_size=gen.max_batch_size,
             batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch, threads=threads,
             staged=replica if replica.staged else None, lent_threads=lent_threads,
         )
+        return engine, replica
+
+    if cfg.engine == "hf" and gen.workers > 1:  # engines/workers.py: N batches at once
+        from jetctl.server.engines.workers import workers_engine
+
+        workers = workers_engine(hf_on_replica, gen.workers)
+        return ServingEngine(workers, publish=workers.publish, dtype=dtype)
+    if cfg.engine == "hf":
+        engine, replica = hf_on_replica()
         return ServingEngine(engine, publish=replica.publish, dtype=dtype)
+    # continuous: the gate is replaced by the engine's drain
+    replica = Replica(
+        model, device=gen.device or cfg.device, version=version(),
+        timeout_s=gen.publish_timeout_s, gate=WeightsLock(), dtype=dtype.dtype,
+        staged=False, share_frozen=same,
+    )
     from jetctl.server.engines.continuous import ContinuousEngine
 
-    engine = ContinuousEngine(
+    continuous = ContinuousEngine(
         replica, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
         max_batch_size=gen.max_batch_size, max_new_tokens=gen.max_new_tokens,
         batch_wait_ms=gen.batch_wait_ms, on_batch=on_batch,
     )
-    return ServingEngine(engine, publish=replica.publish, dtype=dtype)
+    return ServingEngine(continuous, publish=replica.publish, dtype=dtype)

@@ -218,8 +218,8 @@ class HFEngine:
 
     # --- the asyncio side ------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+    def start(self, name: str = "engine") -> None:
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
@@ -255,6 +255,7 @@ class HFEngine:
         return {
             "generate/requests": float(f.requests),
             "generate/tokens": float(f.tokens),
+            "generate/decode_steps": float(f.decode_steps),
             "generate/batch_size_mean": f.rows / f.decode_steps if f.decode_steps else 0.0,
             "generate/prefill_tokens": float(f.prefill_tokens),
             "generate/prompt_tokens": float(f.prompt_tokens),
