@@ -236,7 +236,9 @@ class GenerationConfig(_Strict):
         "shared out among them (at least one each). A group's requests and a "
         "conversation's turns stay on one worker. On a CPU, two batches of SmolLM2-135M "
         "on one thread each decode 1.6-1.8x the tokens a second of one batch on two "
-        "threads (1.04-1.2x)",
+        "threads (1.04-1.2x) when nothing else runs; in the quickstart on 2 cores, where "
+        "the trainer and the client nodes share them, 2 workers made no more trajectories "
+        "and reached a reward of 0.8 later (README, Performance), so the default is 1",
     )
     max_context_tokens: int = Field(
         default=2048, ge=16, description="cap on prompt + completion tokens of one request"
