@@ -107,9 +107,10 @@ def make_engine(
         return engine, replica
 
     if cfg.engine == "hf" and gen.workers > 1:  # engines/workers.py: N batches at once
-        from jetctl.server.engines.workers import workers_engine
+        from jetctl.server.engines.workers import EngineWorkers
 
-        workers = workers_engine(hf_on_replica, gen.workers)
+        pairs = [hf_on_replica() for _ in range(gen.workers)]
+        workers = EngineWorkers([e for e, _ in pairs], [r for _, r in pairs])
         return ServingEngine(workers, publish=workers.publish, dtype=dtype)
     if cfg.engine == "hf":
         engine, replica = hf_on_replica()

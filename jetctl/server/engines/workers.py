@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 from jetctl.server.engines.base import EngineLoad, GenRequest, GenResult
 from jetctl.server.engines.hf import HFEngine
@@ -126,10 +125,3 @@ class EngineWorkers:
             self.followed = 0
         return out
 
-
-def workers_engine(
-    build: Callable[[], tuple[HFEngine, Replica]], n: int,
-) -> EngineWorkers:
-    """`n` engines from `build()` (each a fresh replica and the engine serving it)."""
-    pairs = [build() for _ in range(n)]
-    return EngineWorkers([e for e, _ in pairs], [r for _, r in pairs])
