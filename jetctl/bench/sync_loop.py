@@ -11,7 +11,8 @@ agent, sampling and optimizer as the recipe's task:
         in-process OpenAI-style client; the calls they make are answered together by one
         left-padded `model.generate` per turn over the whole batch (the turn barrier of
         jetctl/turns.py, as `jetctl eval` does; the chat template is rendered once per
-        distinct conversation: a group's G first calls share one);
+        distinct conversation: a group's G first calls share one; a later turn's prompt
+        extends the rollout's earlier ids, as the client node's proxy builds it);
         environment answers run in parallel (where `generation.dtype` asks for another dtype,
         or `auto` picks one on this host, generation runs on a copy in that dtype refreshed
         after each step, as the swarm's engine does)
@@ -20,8 +21,8 @@ agent, sampling and optimizer as the recipe's task:
         it comes: one step of the algorithm's loss (jetctl.server.algorithms; behaviour
         logprobs from generation, or with train.tis_cap the trainer's own with the gap as a
         capped weight, as the server's step does) over the batch packed with each group's
-        shared prefix once (a 4-D mask, logits only where a token is scored), AdamW,
-        gradient clipping
+        shared prefix once and each rollout's calls as one row (a 4-D mask, logits only
+        where a token is scored), AdamW, gradient clipping
 
 A round whose groups all scored the same has nothing to learn from and takes no step.
 `dynamic_sampling` (off by default) instead collects the recipe's groups_per_step groups
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 
+from jetctl.client.timeline import ChatRenderer, PromptPlan, Timeline
 from jetctl.turns import TurnBarrier
 
 T0 = time.monotonic()  # the process started (model loading counts against the loop too)
@@ -101,13 +103,16 @@ class _Client:
     def complete(self, messages: list[dict[str, Any]], model: str, kw: dict[str, Any]) -> Any:
         from openai.types.chat import ChatCompletion
 
-        from jetctl.client.timeline import parse_tool_calls
+        from jetctl.client.timeline import Turn, normalize_message, parse_tool_calls, tools_key
+        from jetctl.types import LLMCall
 
         loop = self._loop
-        prompt = loop.render(messages, kw.get("tools"))
+        messages = [normalize_message(m) for m in messages]
+        tools = kw.get("tools") or None
+        plan = loop.prompt(self._rollout, messages, tools)
         sampling = loop.task["sampling"]
         call = _Call(
-            list(prompt),
+            list(plan.ids),
             int(kw.get("max_tokens") or kw.get("max_completion_tokens") or sampling["max_tokens"]),
             float(kw.get("temperature", sampling["temperature"])),
             float(kw.get("top_p", sampling["top_p"])),
@@ -120,6 +125,14 @@ class _Client:
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
             finish = "tool_calls"
+        # the rollout's timeline, as the client node keeps it: the next call's prompt extends
+        # this one's ids (token in, token out), so its calls train as one row
+        self._rollout.timeline.turns.append(Turn(
+            messages, tools_key(tools), plan.prompt_text, reply.as_message(),
+            LLMCall(model or "loop", call.prompt_ids, call.completion_ids, call.logprobs,
+                    loop.version, finish),
+            plan.reused,
+        ))
         return ChatCompletion.model_validate({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model or "loop",
@@ -131,6 +144,7 @@ class _Client:
 class _Rollout:
     task: Any
     calls: list[_Call] = field(default_factory=list)
+    timeline: Timeline = field(default_factory=lambda: Timeline("loop"))
     reward: float = 0.0
     error: BaseException | None = None
 
@@ -210,7 +224,8 @@ class SyncLoop:
         self.eos = [eos] if isinstance(eos, int) else list(eos)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self.batcher: TurnBarrier[_Call] = TurnBarrier(0)
-        self._rendered: dict[str, list[int]] = {}  # conversation -> prompt ids, one round
+        self.renderer = ChatRenderer(self.tokenizer, self.eos)
+        self._rendered: dict[str, PromptPlan] = {}  # first-turn conversation -> its plan, one round
         self._render_lock = threading.Lock()
         self.version = 0
         self.out: dict[str, Any] = {
@@ -219,19 +234,20 @@ class SyncLoop:
 
     # --- rollouts ----------------------------------------------------------------------
 
-    def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        """The prompt ids of a conversation, rendered once per round: the G rollouts of a
-        group ask with the same messages on their first turn."""
+    def prompt(self, r: _Rollout, messages: list[dict[str, Any]], tools: Any) -> PromptPlan:
+        """The prompt ids of a call: a later turn extends the rollout's earlier ids (as the
+        client node's proxy does); a first turn is rendered once per round (the G rollouts of
+        a group ask with the same messages)."""
+        if r.timeline.turns:
+            return self.renderer.prompt_ids(r.timeline, messages, tools)
         key = json.dumps([messages, tools], sort_keys=True, default=str)
         with self._render_lock:
-            ids = self._rendered.get(key)
-        if ids is None:
-            ids = list(self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                return_dict=True)["input_ids"])
+            plan = self._rendered.get(key)
+        if plan is None:
+            plan = self.renderer.prompt_ids(r.timeline, messages, tools)
             with self._render_lock:
-                self._rendered[key] = ids
-        return ids
+                self._rendered[key] = plan
+        return plan
 
     def _run_rollout(self, r: _Rollout) -> None:
         try:
@@ -312,8 +328,7 @@ class SyncLoop:
         for g in groups:
             rows = []
             for r, a in zip(g, self.algorithm.advantages([r.reward for r in g])):
-                mine = [_Row(c.prompt_ids, c.completion_ids, c.logprobs, a, rollouts)
-                        for c in r.calls if c.completion_ids and a != 0]
+                mine = timeline_rows(r.calls, a, rollouts) if a != 0 else []
                 rollouts += bool(mine)
                 rows += mine
             if rows:
@@ -321,7 +336,7 @@ class SyncLoop:
         if not packed_groups:
             return False
         totals = StepTotals(
-            tokens=sum(len(row.completion) for rows in packed_groups for row in rows),
+            tokens=sum(len(row.scored) for rows in packed_groups for row in rows),
             sequences=rollouts, trajectories=rollouts,  # a rollout's calls: one sequence
         )
         tis_cap = self.spec.model["train"].get("tis_cap")
@@ -381,28 +396,63 @@ class SyncLoop:
         return self.out
 
 
-# --- packing: each group's shared prefix once ------------------------------------------
+# --- packing: each rollout one row, each group's shared prefix once ----------------------
 
 
 @dataclass
 class _Row:
-    prompt: list[int]
-    completion: list[int]
-    logprobs: list[float]  # behaviour logprobs of the completion
+    """A rollout's calls as one token sequence: the last call's prompt and completion, each
+    earlier call's completion inside it (its prompt extends them), those tokens scored."""
+
+    tokens: list[int]
+    scored: list[int]  # indices in `tokens` of generated tokens
+    logprobs: list[float]  # behaviour logprobs of the scored tokens
     advantage: float
-    rollout: int = 0  # the rollout it is a call of (per-sequence losses: GSPO)
+    rollout: int = 0  # the rollout it belongs to (per-sequence losses: GSPO)
+
+    @classmethod
+    def one_call(cls, prompt: list[int], completion: list[int], logprobs: list[float],
+                 advantage: float, rollout: int = 0) -> _Row:
+        return cls(list(prompt) + list(completion),
+                   list(range(len(prompt), len(prompt) + len(completion))),
+                   list(logprobs[: len(completion)]), advantage, rollout)
+
+    @property
+    def prompt(self) -> list[int]:
+        """The tokens before the first generated one."""
+        return self.tokens[: self.scored[0]]
+
+
+def timeline_rows(calls: list[_Call], advantage: float, rollout: int) -> list[_Row]:
+    """A rollout's calls as rows: a call whose prompt extends the row so far (every turn of
+    the loop's agents: the prompt is the earlier ids, then the feedback) joins it; any other
+    call (the agent rewrote its history) starts a row of its own."""
+    rows: list[_Row] = []
+    for c in calls:
+        if not c.completion_ids:
+            continue
+        last = rows[-1] if rows else None
+        if last is not None and c.prompt_ids[: len(last.tokens)] == last.tokens:
+            start = len(c.prompt_ids)
+            last.tokens = list(c.prompt_ids) + list(c.completion_ids)
+            last.scored += range(start, start + len(c.completion_ids))
+            last.logprobs += c.logprobs[: len(c.completion_ids)]
+        else:
+            rows.append(_Row.one_call(c.prompt_ids, c.completion_ids, c.logprobs, advantage,
+                                      rollout))
+    return rows
 
 
 @dataclass
 class Packed:
     """Groups packed in one row: a group's common prompt prefix once, then each row's rest
-    (its prompt after the prefix, then its completion), each seeing only the prefix and
-    itself (a 4-D additive mask), positions continuing from the prefix."""
+    (its tokens after the prefix), each seeing only the prefix and itself (a 4-D additive
+    mask), positions continuing from the prefix."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     mask: torch.Tensor  # [1, 1, T, T] 0 where visible, finfo.min elsewhere
-    pred: torch.Tensor  # [N] position whose logits score each completion token
+    pred: torch.Tensor  # [N] position whose logits score each generated token
     targets: torch.Tensor  # [N]
     old_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
@@ -414,7 +464,7 @@ def _common_prefix(rows: list[_Row]) -> int:
     n = min(len(r.prompt) for r in rows)
     for r in rows[1:]:
         i = 0
-        while i < n and r.prompt[i] == first[i]:
+        while i < n and r.tokens[i] == first[i]:
             i += 1
         n = i
     return n
@@ -433,26 +483,26 @@ def pack(groups: list[list[_Row]]) -> Packed:
     for gi, rows in enumerate(groups):
         shared = _common_prefix(rows)
         last_shared = len(tokens) + shared - 1
-        tokens += rows[0].prompt[:shared]
+        tokens += rows[0].tokens[:shared]
         positions += range(shared)
         group_of += [gi] * shared
         branch_of += [-1] * shared
         for bi, row in enumerate(rows):
             start = len(tokens)
-            rest = row.prompt[shared:] + row.completion
+            rest = row.tokens[shared:]
             tokens += rest
             positions += range(shared, shared + len(rest))
             group_of += [gi] * len(rest)
             branch_of += [bi] * len(rest)
-            first = start + len(row.prompt) - shared  # where the completion starts
-            for k, tok in enumerate(row.completion):
-                # token t is predicted at t - 1; the first of a branch with no prompt of its
+            for i in row.scored:
+                # token i is predicted at i - 1; the first of a branch with no prompt of its
                 # own, at the prefix's last token
-                pred.append(first + k - 1 if first + k - 1 >= start else last_shared)
-                targets.append(tok)
-            old += row.logprobs[: len(row.completion)]
-            adv += [row.advantage] * len(row.completion)
-            seq += [row.rollout] * len(row.completion)
+                at = start + i - shared - 1
+                pred.append(at if at >= start else last_shared)
+                targets.append(row.tokens[i])
+            old += row.logprobs
+            adv += [row.advantage] * len(row.scored)
+            seq += [row.rollout] * len(row.scored)
     g = torch.tensor(group_of)
     b = torch.tensor(branch_of)
     n = len(tokens)
@@ -474,7 +524,7 @@ def _chunks(groups: list[list[_Row]], budget: int) -> list[list[list[_Row]]]:
     out: list[list[list[_Row]]] = [[]]
     used = 0
     for rows in groups:
-        size = sum(len(r.prompt) + len(r.completion) for r in rows)  # an upper bound
+        size = sum(len(r.tokens) for r in rows)  # an upper bound
         if out[-1] and used + size > budget:
             out.append([])
             used = 0

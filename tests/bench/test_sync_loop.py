@@ -95,16 +95,16 @@ def test_packed_rows_score_every_completion_token_as_one_sequence_at_a_time_does
         return torch.randint(5, V, (n,), generator=gen).tolist()
 
     p1, p2 = ids(30), ids(20)
-    first_turns = [_Row(p1, ids(n), [0.0] * n, 1.0) for n in (3, 7, 5)]
-    later_turns = [_Row(p2 + ids(k), ids(4), [0.0] * 4, -1.0) for k in (0, 6, 2)]
+    first_turns = [_Row.one_call(p1, ids(n), [0.0] * n, 1.0) for n in (3, 7, 5)]
+    later_turns = [_Row.one_call(p2 + ids(k), ids(4), [0.0] * 4, -1.0) for k in (0, 6, 2)]
     batch = pack([first_turns, later_turns])
     with torch.no_grad():
         packed = packed_logprobs(model, batch)
         alone = []
         for row in first_turns + later_turns:
-            logp = model(input_ids=torch.tensor([row.prompt + row.completion])).logits[0]
+            logp = model(input_ids=torch.tensor([row.tokens])).logits[0]
             logp = logp.float().log_softmax(-1)
-            alone += [logp[len(row.prompt) + k - 1, t] for k, t in enumerate(row.completion)]
+            alone += [logp[i - 1, row.tokens[i]] for i in row.scored]
     assert packed.shape == (27,) and batch.input_ids.shape[1] == 30 + 15 + 20 + 8 + 12
     # float32 rounding of a different summation order (1e-7 seen on this model)
     torch.testing.assert_close(packed, torch.stack(alone), rtol=0, atol=1e-5)
@@ -188,3 +188,67 @@ def test_the_loop_stops_once_its_rolling_reward_reaches_until() -> None:
     out = loop.run()
     assert len(rounds) == 2 and len(out["groups"]) == 2 * spec.round_groups
     assert out["wall_s"] < spec.seconds
+
+
+def test_a_multi_turn_rollout_trains_as_one_row_scored_as_its_calls_alone() -> None:
+    """Ten-turn rollouts: each later call's prompt extends the earlier ids, so a rollout's
+    calls join into one row (not one row per call, each with the whole conversation): the
+    packed batch is as long as the rollouts' tokens, and each generated token's logprob is
+    the one a plain forward of that call's prompt + completion gives."""
+    from jetctl.bench.sync_loop import _Call, pack, packed_logprobs, timeline_rows
+    from jetctl.models import load_model
+
+    model, _ = load_model("builtin:tiny", attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(5, V, (n,), generator=gen).tolist()
+
+    def rollout(question: list[int], turns: int) -> list[_Call]:
+        calls, prompt = [], list(question)
+        for _ in range(turns):
+            c = _Call(list(prompt), 24, 1.0, 1.0)
+            c.completion_ids = ids(5)
+            c.logprobs = [-0.5] * 5
+            calls.append(c)
+            prompt = prompt + c.completion_ids + ids(7)  # the feedback turn
+        return calls
+
+    q = ids(40)
+    rollouts = [rollout(q, turns) for turns in (10, 3, 1, 10)]
+    rows = [r for i, calls in enumerate(rollouts) for r in timeline_rows(calls, 1.0 - i, i)]
+    assert len(rows) == 4  # one row per rollout
+    last_calls = [calls[-1] for calls in rollouts]
+    assert [len(r.tokens) for r in rows] == [len(c.prompt_ids) + 5 for c in last_calls]
+    batch = pack([rows])
+    assert batch.input_ids.shape[1] == 40 + sum(len(r.tokens) - 40 for r in rows)
+    with torch.no_grad():
+        packed = packed_logprobs(model, batch)
+        alone = []
+        for calls in rollouts:
+            for c in calls:
+                logp = model(input_ids=torch.tensor([c.prompt_ids + c.completion_ids])).logits[0]
+                logp = logp.float().log_softmax(-1)
+                alone += [logp[len(c.prompt_ids) + k - 1, t] for k, t in enumerate(c.completion_ids)]
+    assert packed.shape == (5 * 24,)
+    torch.testing.assert_close(packed, torch.stack(alone), rtol=0, atol=1e-5)
+    assert batch.seq_index.tolist() == [i for i, n in enumerate((10, 3, 1, 10)) for _ in range(5 * n)]
+
+
+def test_an_edited_history_starts_a_row_of_its_own() -> None:
+    """A call whose prompt does not extend the rollout's row so far (the agent rewrote the
+    conversation) is trained as its own row, scored with its own prompt."""
+    from jetctl.bench.sync_loop import _Call, timeline_rows
+
+    a = _Call([1, 2, 3], 4, 1.0, 1.0)
+    a.completion_ids, a.logprobs = [7, 8], [-1.0, -1.0]
+    b = _Call([1, 2, 3, 7, 8, 9], 4, 1.0, 1.0)  # extends a
+    b.completion_ids, b.logprobs = [10], [-2.0]
+    c = _Call([1, 2, 4], 4, 1.0, 1.0)  # rewritten
+    c.completion_ids, c.logprobs = [11, 12], [-3.0, -3.0]
+    rows = timeline_rows([a, b, c], 0.5, 0)
+    assert [(r.tokens, r.scored, r.logprobs) for r in rows] == [
+        ([1, 2, 3, 7, 8, 9, 10], [3, 4, 6], [-1.0, -1.0, -2.0]),
+        ([1, 2, 4, 11, 12], [3, 4], [-3.0, -3.0]),
+    ]
