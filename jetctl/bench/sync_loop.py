@@ -20,9 +20,10 @@ agent, sampling and optimizer as the recipe's task:
         GRPO by default); rows whose advantage is 0 are dropped; every group is trained as
         it comes: one step of the algorithm's loss (jetctl.server.algorithms; behaviour
         logprobs from generation, or with train.tis_cap the trainer's own with the gap as a
-        capped weight, as the server's step does) over the batch packed with each group's
-        shared prefix once and each rollout's calls as one row (a 4-D mask, logits only
-        where a token is scored), AdamW, gradient clipping
+        capped weight, as the server's step does) over the batch, each rollout's calls as
+        one row, packed in one row with each group's shared prefix once (a 4-D mask) or,
+        where that computes more (long multi-turn rollouts: the mask is dense), as
+        right-padded rows; logits only where a token is scored; AdamW, gradient clipping
 
 A round whose groups all scored the same has nothing to learn from and takes no step.
 `dynamic_sampling` (off by default) instead collects the recipe's groups_per_step groups
@@ -230,7 +231,13 @@ class SyncLoop:
         self.version = 0
         self.out: dict[str, Any] = {
             "groups": [], "steps": [], "gen_batches": [], "train_s": [], "step_groups": [],
+            "layouts": [],
         }
+        # a token's share of the forward and backward (2 flops per weight) in units of one
+        # attention score pair's (4 flops per layer and hidden unit): what layout() weighs
+        cfg = self.model.config
+        self.pair_per_token = sum(p.numel() for p in self.model.parameters()) / (
+            2 * cfg.num_hidden_layers * cfg.hidden_size)
 
     # --- rollouts ----------------------------------------------------------------------
 
@@ -341,7 +348,8 @@ class SyncLoop:
         )
         tis_cap = self.spec.model["train"].get("tis_cap")
         for chunk in _chunks(packed_groups, self.spec.model["train"]["max_tokens_per_microbatch"]):
-            batch = pack(chunk)
+            batch = pack(chunk) if self.layout(chunk) == "tree" else pack_padded(chunk)
+            self.out["layouts"].append(batch.layout)
             new_lp = packed_logprobs(self.model, batch)
             old_lp, weights = batch.old_logprobs, None
             if tis_cap is not None:  # as the server's step: the trainer's own, the gap a weight
@@ -359,6 +367,21 @@ class SyncLoop:
         self.out["steps"].append(time.monotonic() - self.t0)
         self.out["step_groups"].append(len(packed_groups))  # groups with a signal, trained
         return True
+
+    def layout(self, chunk: list[list[_Row]]) -> str:
+        """"tree" (one row, each group's shared prefix once, a 4-D mask over the whole row)
+        or "padded" (a right-padded row per rollout, causal attention), whichever computes
+        less: tokens, plus the attention pairs each computes (a 4-D mask is dense: every
+        pair of the row) weighed against a token's linear work. One-turn groups share most
+        of each row and pack as a tree; long multi-turn rollouts share little and pad."""
+        tree_tokens = sum(
+            _common_prefix(rows) + sum(len(r.tokens) - _common_prefix(rows) for r in rows)
+            for rows in chunk)
+        width = max(len(r.tokens) for rows in chunk for r in rows)
+        n = sum(len(rows) for rows in chunk)
+        tree = tree_tokens + tree_tokens**2 / self.pair_per_token
+        padded = n * width + n * width**2 / 2 / self.pair_per_token  # causal: half the pairs
+        return "tree" if tree <= padded else "padded"
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -457,6 +480,8 @@ class Packed:
     old_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     seq_index: torch.Tensor  # [N] the rollout each token belongs to (its calls: one sequence)
+    rows: torch.Tensor | None = None  # [N] padded: the row of each scored token
+    layout: str = "tree"  # tree: one row, `mask` 4-D; padded: [B, T], `mask` 2-D (0/1)
 
 
 def _common_prefix(rows: list[_Row]) -> int:
@@ -519,6 +544,31 @@ def pack(groups: list[list[_Row]]) -> Packed:
     )
 
 
+def pack_padded(groups: list[list[_Row]]) -> Packed:
+    """The rows right-padded to one width, a 2-D 0/1 mask: each row attends causally to
+    its own tokens, positions from 0."""
+    rows = [r for g in groups for r in g]
+    width = max(len(r.tokens) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    at: list[int] = []
+    which: list[int] = []
+    for i, r in enumerate(rows):
+        ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
+        mask[i, : len(r.tokens)] = 1
+        at += [j - 1 for j in r.scored]
+        which += [i] * len(r.scored)
+    return Packed(
+        input_ids=ids, position_ids=torch.arange(width).expand(len(rows), width), mask=mask,
+        pred=torch.tensor(at), targets=torch.tensor([t for r in rows for t in
+                                                       (r.tokens[j] for j in r.scored)]),
+        old_logprobs=torch.tensor([x for r in rows for x in r.logprobs]),
+        advantages=torch.tensor([r.advantage for r in rows for _ in r.scored]),
+        seq_index=torch.tensor([r.rollout for r in rows for _ in r.scored]),
+        rows=torch.tensor(which), layout="padded",
+    )
+
+
 def _chunks(groups: list[list[_Row]], budget: int) -> list[list[list[_Row]]]:
     """Whole groups per micro-batch, at most `budget` tokens each (a larger group alone)."""
     out: list[list[list[_Row]]] = [[]]
@@ -536,6 +586,13 @@ def _chunks(groups: list[list[_Row]], budget: int) -> list[list[list[_Row]]]:
 def packed_logprobs(model: Any, batch: Packed) -> torch.Tensor:
     """log p(target | context) for every completion token: [N], float32; the vocabulary
     projection runs only at the scored positions."""
+    if batch.layout == "padded":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden = base.get_decoder()(
+            input_ids=batch.input_ids, attention_mask=batch.mask, use_cache=False,
+        ).last_hidden_state  # [B, T, H]
+        logits = base.get_output_embeddings()(hidden[batch.rows, batch.pred])  # [N, V]
+        return torch.log_softmax(logits.float(), -1).gather(-1, batch.targets[:, None]).squeeze(-1)
     keep, column = torch.unique(batch.pred, return_inverse=True)  # [K], [N]
     out = model(
         input_ids=batch.input_ids, attention_mask=batch.mask, position_ids=batch.position_ids,

@@ -252,3 +252,51 @@ def test_an_edited_history_starts_a_row_of_its_own() -> None:
         ([1, 2, 3, 7, 8, 9, 10], [3, 4, 6], [-1.0, -1.0, -2.0]),
         ([1, 2, 4, 11, 12], [3, 4], [-3.0, -3.0]),
     ]
+
+
+def test_padded_rows_score_as_the_tree_row_does_and_long_rollouts_pick_them() -> None:
+    """The padded layout (a right-padded row per rollout) gives the logprobs the tree row
+    gives; the loop picks the tree for one-turn groups (a shared prompt, short answers) and
+    padded rows for ten-turn rollouts, whose dense 4-D mask would cost more."""
+    from jetctl.bench.sync_loop import (
+        _Call,
+        _Row,
+        pack,
+        pack_padded,
+        packed_logprobs,
+        timeline_rows,
+    )
+
+    rec = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    spec = LoopSpec(
+        model=rec.models["policy"].model_dump(mode="json"),
+        task=rec.tasks["digits"].model_dump(mode="json"), seconds=60, seed=0, threads=1,
+    )
+    loop = SyncLoop(spec)
+    gen = torch.Generator().manual_seed(2)
+    V = loop.model.config.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(5, V, (n,), generator=gen).tolist()
+
+    def rollout(question: list[int], turns: int) -> list[_Call]:
+        calls, prompt = [], list(question)
+        for _ in range(turns):
+            c = _Call(list(prompt), 24, 1.0, 1.0)
+            c.completion_ids, c.logprobs = ids(24), [-0.5] * 24
+            calls.append(c)
+            prompt = prompt + c.completion_ids + ids(30)
+        return calls
+
+    q = ids(110)
+    long_rows = [r for i in range(8) for r in timeline_rows(rollout(q, 10), 1.0, i)]
+    short_rows = [_Row.one_call(q, ids(24), [-0.5] * 24, 1.0, i) for i in range(8)]
+    assert loop.layout([short_rows, short_rows]) == "tree"
+    assert loop.layout([long_rows]) == "padded"
+    rows = [r for i in range(3) for r in timeline_rows(rollout(q, 1 + 2 * i), 1.0, i)]
+    with torch.no_grad():
+        tree = packed_logprobs(loop.model, pack([rows]))
+        padded_batch = pack_padded([rows])
+        padded = packed_logprobs(loop.model, padded_batch)
+    assert padded_batch.input_ids.shape == (3, max(len(r.tokens) for r in rows))
+    torch.testing.assert_close(padded, tree, rtol=0, atol=1e-5)
