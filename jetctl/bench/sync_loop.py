@@ -380,7 +380,7 @@ class SyncLoop:
         width = max(len(r.tokens) for rows in chunk for r in rows)
         n = sum(len(rows) for rows in chunk)
         tree = tree_tokens + tree_tokens**2 / self.pair_per_token
-        padded = n * width + n * width**2 / 2 / self.pair_per_token  # causal: half the pairs
+        padded = n * width + n * width**2 / self.pair_per_token  # a padded row's mask is 4-D too
         return "tree" if tree <= padded else "padded"
 
     # --- the loop ----------------------------------------------------------------------
