@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,21 @@ def test_the_loop_stops_once_its_rolling_reward_reaches_until() -> None:
     assert out["wall_s"] < spec.seconds
 
 
+def _turns(question: list[int], turns: int, answer: Any, feedback: Any) -> list[Any]:
+    """A fake multi-turn rollout's calls: each prompt is the last prompt, its answer (scored
+    at logprob -0.5 a token) and the feedback."""
+    from jetctl.bench.sync_loop import _Call
+
+    calls, prompt = [], list(question)
+    for _ in range(turns):
+        c = _Call(list(prompt), 24, 1.0, 1.0)
+        c.completion_ids = answer()
+        c.logprobs = [-0.5] * len(c.completion_ids)
+        calls.append(c)
+        prompt = prompt + c.completion_ids + feedback()
+    return calls
+
+
 def test_a_multi_turn_rollout_trains_as_one_row_scored_as_its_calls_alone() -> None:
     """Ten-turn rollouts: each later call's prompt extends the earlier ids, so a rollout's
     calls join into one row (not one row per call, each with the whole conversation): the
@@ -206,14 +222,7 @@ def test_a_multi_turn_rollout_trains_as_one_row_scored_as_its_calls_alone() -> N
         return torch.randint(5, V, (n,), generator=gen).tolist()
 
     def rollout(question: list[int], turns: int) -> list[_Call]:
-        calls, prompt = [], list(question)
-        for _ in range(turns):
-            c = _Call(list(prompt), 24, 1.0, 1.0)
-            c.completion_ids = ids(5)
-            c.logprobs = [-0.5] * 5
-            calls.append(c)
-            prompt = prompt + c.completion_ids + ids(7)  # the feedback turn
-        return calls
+        return _turns(question, turns, lambda: ids(5), lambda: ids(7))
 
     q = ids(40)
     rollouts = [rollout(q, turns) for turns in (10, 3, 1, 10)]
@@ -280,13 +289,7 @@ def test_padded_rows_score_as_the_tree_row_does_and_long_rollouts_pick_them() ->
         return torch.randint(5, V, (n,), generator=gen).tolist()
 
     def rollout(question: list[int], turns: int) -> list[_Call]:
-        calls, prompt = [], list(question)
-        for _ in range(turns):
-            c = _Call(list(prompt), 24, 1.0, 1.0)
-            c.completion_ids, c.logprobs = ids(24), [-0.5] * 24
-            calls.append(c)
-            prompt = prompt + c.completion_ids + ids(30)
-        return calls
+        return _turns(question, turns, lambda: ids(24), lambda: ids(30))
 
     q = ids(110)
     long_rows = [r for i in range(8) for r in timeline_rows(rollout(q, 10), 1.0, i)]
